@@ -1,0 +1,164 @@
+"""Located diagnostics shared by every layer.
+
+A user error is a `SxError` carrying a `Location`; the tools render it as a
+compiler does (``file:line:col: error: message``, the source line, a caret)
+and exit 1. Anything else that escapes is an internal bug and exits 3.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+
+from attrs import frozen
+
+#: Source text of every file read in this process, so a diagnostic can show its line.
+_SOURCES: dict[str, str] = {}
+
+
+def remember_source(path: str, text: str) -> None:
+    """Record the text of `path` so diagnostics located in it can quote lines."""
+    _SOURCES[path] = text
+
+
+def source_line(path: str, line: int) -> str | None:
+    text = _SOURCES.get(path)
+    if text is None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            return None
+        _SOURCES[path] = text
+    lines = text.splitlines()
+    if 1 <= line <= len(lines):
+        return lines[line - 1]
+    return None
+
+
+@frozen
+class Location:
+    """A position in a source file (1-based line and column).
+
+    `via` is the frame the position was reached through when the user's form
+    called library code (the prelude, a macro): the primary position is always
+    the user's, `via` keeps the library's.
+    """
+
+    file: str
+    line: int
+    col: int
+    end_col: int | None = None
+    via: Location | None = None
+
+    def __str__(self) -> str:
+        return f"{display_path(self.file)}:{self.line}:{self.col}"
+
+    def short(self) -> str:
+        """`file:line`, as reports show it."""
+        return f"{display_path(self.file)}:{self.line}"
+
+    def with_via(self, via: Location | None) -> Location:
+        return Location(self.file, self.line, self.col, self.end_col, via)
+
+
+UNKNOWN = Location("<unknown>", 0, 0)
+
+
+def display_path(path: str) -> str:
+    """A path as diagnostics show it: relative to the working directory when below it."""
+    if path.startswith("<"):
+        return path
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+@frozen
+class Note:
+    loc: Location | None
+    message: str
+
+
+class SxError(Exception):
+    """A user error at a location: bad source, bad IR, bad selection, bad data."""
+
+    def __init__(
+        self,
+        message: str,
+        loc: Location | None = None,
+        notes: Iterable[Note] = (),
+        trail: Iterable[Location] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.loc = loc
+        self.notes = list(notes)
+        #: "called from" frames, innermost first.
+        self.trail = list(trail)
+
+    def render(self) -> str:
+        return render_diagnostic("error", self.message, self.loc, self.notes, self.trail)
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2)."""
+
+
+def caret_lines(loc: Location) -> list[str]:
+    line = source_line(loc.file, loc.line)
+    if line is None or loc.col < 1:
+        return []
+    width = max(1, (loc.end_col - loc.col) if loc.end_col and loc.end_col > loc.col else 1)
+    pad = "".join(ch if ch == "\t" else " " for ch in line[: loc.col - 1])
+    return [f"  {line}", f"  {pad}^{'~' * (width - 1)}"]
+
+
+def render_diagnostic(
+    severity: str,
+    message: str,
+    loc: Location | None,
+    notes: Iterable[Note] = (),
+    trail: Iterable[Location] = (),
+) -> str:
+    out = [f"{loc}: {severity}: {message}" if loc else f"{severity}: {message}"]
+    if loc:
+        out += caret_lines(loc)
+        if loc.via is not None:
+            out.append(f"  in library code at {loc.via}")
+    for frame in trail:
+        out.append(f"  called from {frame.short()}")
+    for note in notes:
+        out.append(f"{note.loc}: note: {note.message}" if note.loc else f"note: {note.message}")
+        if note.loc:
+            out += caret_lines(note.loc)
+    return "\n".join(out)
+
+
+def warn(message: str, loc: Location | None = None, stream=None) -> None:
+    print(render_diagnostic("warning", message, loc), file=stream or sys.stderr)
+
+
+def nearest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to `name` by edit distance, if it is close enough to suggest."""
+    best, best_d = None, None
+    for cand in candidates:
+        d = _edit_distance(name, cand)
+        if best_d is None or d < best_d:
+            best, best_d = cand, d
+    if best is not None and best_d is not None and best_d <= max(2, len(name) // 3):
+        return best
+    return None
+
+
+def _edit_distance(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
