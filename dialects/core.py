@@ -1,0 +1,458 @@
+"""The IR core: types, values, operations, blocks, regions, and the op registry.
+
+Every value is defined once (by an op result or a block argument) and keeps
+the set of its uses, so replacing a value is proportional to its uses, never
+to the size of the module. Blocks keep their ops in a doubly linked list, so
+inserting and erasing are O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+from attrs import define, field, frozen
+
+from sexpgpu.diagnostics import Location, SxError
+
+DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i1")
+FLOAT_DTYPES = ("f32", "bf16", "f16")
+INT_DTYPES = ("i32", "i64")
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "i1": 1}
+
+
+@frozen
+class TensorType:
+    """A statically shaped tensor type, printed `tensor<4x64xf32>` (`tensor<f32>` for a scalar)."""
+
+    shape: tuple[int, ...] = field(converter=tuple)
+    dtype: str
+
+    def __str__(self) -> str:
+        dims = "".join(f"{d}x" for d in self.shape)
+        return f"tensor<{dims}{self.dtype}>"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    def with_dtype(self, dtype: str) -> TensorType:
+        return TensorType(self.shape, dtype)
+
+    def with_shape(self, shape: Sequence[int]) -> TensorType:
+        return TensorType(tuple(shape), self.dtype)
+
+
+@frozen
+class SymbolRef:
+    """A reference to a symbol (`@train`), as an attribute value."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return "@" + quote_symbol(self.name)
+
+
+def quote_symbol(name: str) -> str:
+    if name and all(c.isalnum() or c in "_.$-" for c in name) and not name[0].isdigit():
+        return name
+    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@define(eq=False, slots=True)
+class Use:
+    """One operand slot of an op that reads a value."""
+
+    op: Operation
+    index: int
+
+
+@define(eq=False, slots=True)
+class Value:
+    """An SSA value: the result of an op or an argument of a block."""
+
+    type: TensorType
+    owner: Operation | Block | None = None
+    index: int = 0
+    uses: dict[Use, None] = field(factory=dict, repr=False)
+    name_hint: str | None = None
+
+    @property
+    def op(self) -> Operation | None:
+        return self.owner if isinstance(self.owner, Operation) else None
+
+    def replace_all_uses_with(self, other: Value) -> None:
+        for use in list(self.uses):
+            use.op.set_operand(use.index, other)
+
+    @property
+    def has_uses(self) -> bool:
+        return bool(self.uses)
+
+    def users(self) -> Iterator[Operation]:
+        seen: set[int] = set()
+        for use in self.uses:
+            if id(use.op) not in seen:
+                seen.add(id(use.op))
+                yield use.op
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class OpDef:
+    """The definition of an op kind: its name, family and verifier.
+
+    Subclasses set `name` and `family`, and may override `infer` (compute the
+    result types from the operands and attributes, raising `VerifyError`) and
+    `verify` (check an op already built).
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    #: Number of operands, or None when variadic.
+    num_operands: ClassVar[int | None] = None
+    num_results: ClassVar[int | None] = 1
+    num_regions: ClassVar[int] = 0
+    #: Attributes every op of this kind must have.
+    required_attrs: ClassVar[tuple[str, ...]] = ()
+    #: Whether an op with unused results may be erased and equal ops merged.
+    pure: ClassVar[bool] = True
+    is_terminator: ClassVar[bool] = False
+
+    @classmethod
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType] | None:
+        """Result types for these operand types and attributes; None when the results are free."""
+        return [] if cls.num_results == 0 else None
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        if cls.num_operands is not None and len(op.operands) != cls.num_operands:
+            raise VerifyError(f"'{cls.name}' expects {cls.num_operands} operands, got {len(op.operands)}", op)
+        if cls.num_results is not None and len(op.results) != cls.num_results:
+            raise VerifyError(f"'{cls.name}' expects {cls.num_results} results, got {len(op.results)}", op)
+        if len(op.regions) != cls.num_regions:
+            raise VerifyError(f"'{cls.name}' expects {cls.num_regions} regions, got {len(op.regions)}", op)
+        for attr in cls.required_attrs:
+            if attr not in op.attributes:
+                raise VerifyError(f"'{cls.name}' requires attribute '{attr}'", op)
+        expected = cls.infer([v.type for v in op.operands], op.attributes)
+        if expected is not None:
+            actual = [r.type for r in op.results]
+            if actual != list(expected):
+                shown = ", ".join(map(str, expected))
+                raise VerifyError(
+                    f"'{cls.name}' result type {', '.join(map(str, actual))} does not match the inferred {shown}", op
+                )
+
+
+class VerifyError(SxError):
+    """An op that breaks its definition's rules."""
+
+    def __init__(self, message: str, op: Operation | None = None) -> None:
+        super().__init__(message, op.loc if op is not None else None)
+        self.op = op
+
+
+class Registry:
+    """All op definitions known, by name."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, type[OpDef]] = {}
+
+    def register(self, opdef: type[OpDef]) -> type[OpDef]:
+        if opdef.name in self.ops:
+            raise ValueError(f"op {opdef.name} registered twice")
+        self.ops[opdef.name] = opdef
+        return opdef
+
+    def lookup(self, name: str) -> type[OpDef] | None:
+        return self.ops.get(name)
+
+    def family(self, name: str) -> str:
+        opdef = self.ops.get(name)
+        return opdef.family if opdef else "unknown"
+
+
+REGISTRY = Registry()
+
+
+def register_op(opdef: type[OpDef]) -> type[OpDef]:
+    """Class decorator adding an op definition to the registry."""
+    return REGISTRY.register(opdef)
+
+
+@define(eq=False, slots=True)
+class Operation:
+    """One op: operands, results, attributes, regions and a location."""
+
+    name: str
+    operands: list[Value] = field(factory=list)
+    results: list[Value] = field(factory=list)
+    attributes: dict[str, Any] = field(factory=dict)
+    regions: list[Region] = field(factory=list)
+    loc: Location | None = None
+    parent: Block | None = field(default=None, repr=False)
+    _prev: Operation | None = field(default=None, repr=False)
+    _next: Operation | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        operands: Sequence[Value] = (),
+        result_types: Sequence[TensorType] = (),
+        attributes: dict[str, Any] | None = None,
+        regions: Sequence[Region] = (),
+        loc: Location | None = None,
+    ) -> Operation:
+        op = cls(name=name, attributes=dict(attributes or {}), loc=loc)
+        for i, v in enumerate(operands):
+            op.operands.append(v)
+            v.uses[Use(op, i)] = None
+        op.results = [Value(t, op, i) for i, t in enumerate(result_types)]
+        for r in regions:
+            op.add_region(r)
+        return op
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @property
+    def opdef(self) -> type[OpDef] | None:
+        return REGISTRY.lookup(self.name)
+
+    @property
+    def family(self) -> str:
+        return REGISTRY.family(self.name)
+
+    @property
+    def result(self) -> Value:
+        if len(self.results) != 1:
+            raise ValueError(f"{self.name} has {len(self.results)} results")
+        return self.results[0]
+
+    def add_region(self, region: Region) -> None:
+        region.parent = self
+        self.regions.append(region)
+
+    def set_operand(self, index: int, value: Value) -> None:
+        old = self.operands[index]
+        for use in list(old.uses):
+            if use.op is self and use.index == index:
+                del old.uses[use]
+                break
+        self.operands[index] = value
+        value.uses[Use(self, index)] = None
+
+    def drop_operands(self) -> None:
+        for i, v in enumerate(self.operands):
+            for use in list(v.uses):
+                if use.op is self and use.index == i:
+                    del v.uses[use]
+                    break
+        self.operands = []
+
+    def erase(self) -> None:
+        """Remove this op from its block; its results must be unused."""
+        for r in self.results:
+            if r.uses:
+                raise ValueError(f"erasing {self.name} whose result still has uses")
+        for region in self.regions:
+            for block in region.blocks:
+                for op in reversed(list(block.ops)):
+                    op.drop_operands()
+        self.drop_operands()
+        if self.parent is not None:
+            self.parent.detach(self)
+
+    def walk(self) -> Iterator[Operation]:
+        """This op and every op nested in it, in pre-order."""
+        yield self
+        for region in self.regions:
+            for block in region.blocks:
+                for op in block.ops:
+                    yield from op.walk()
+
+    @property
+    def next_op(self) -> Operation | None:
+        return self._next
+
+    @property
+    def prev_op(self) -> Operation | None:
+        return self._prev
+
+    @property
+    def body(self) -> Block:
+        """The single block of the single region (graph.func, exp.module)."""
+        return self.regions[0].blocks[0]
+
+    def verify(self) -> None:
+        """Verify this op and everything nested in it."""
+        for op in self.walk():
+            opdef = op.opdef
+            if opdef is None:
+                raise VerifyError(f"unknown op '{op.name}'", op)
+            opdef.verify(op)
+
+
+@define(eq=False, slots=True)
+class Block:
+    """A list of ops with arguments. Ops form a doubly linked list."""
+
+    args: list[Value] = field(factory=list)
+    parent: Region | None = field(default=None, repr=False)
+    _first: Operation | None = field(default=None, repr=False)
+    _last: Operation | None = field(default=None, repr=False)
+    _count: int = 0
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def add_arg(self, type_: TensorType) -> Value:
+        v = Value(type_, self, len(self.args))
+        self.args.append(v)
+        return v
+
+    @property
+    def ops(self) -> Iterator[Operation]:
+        op = self._first
+        while op is not None:
+            nxt = op._next
+            yield op
+            op = nxt
+
+    def reversed_ops(self) -> Iterator[Operation]:
+        op = self._last
+        while op is not None:
+            prv = op._prev
+            yield op
+            op = prv
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def first_op(self) -> Operation | None:
+        return self._first
+
+    @property
+    def last_op(self) -> Operation | None:
+        return self._last
+
+    def append(self, op: Operation) -> Operation:
+        self._link(op, self._last, None)
+        return op
+
+    def insert_before(self, op: Operation, anchor: Operation) -> Operation:
+        self._link(op, anchor._prev, anchor)
+        return op
+
+    def insert_after(self, op: Operation, anchor: Operation) -> Operation:
+        self._link(op, anchor, anchor._next)
+        return op
+
+    def _link(self, op: Operation, prev: Operation | None, nxt: Operation | None) -> None:
+        if op.parent is not None:
+            raise ValueError(f"{op.name} is already in a block")
+        op.parent = self
+        op._prev, op._next = prev, nxt
+        if prev is None:
+            self._first = op
+        else:
+            prev._next = op
+        if nxt is None:
+            self._last = op
+        else:
+            nxt._prev = op
+        self._count += 1
+
+    def detach(self, op: Operation) -> None:
+        if op._prev is None:
+            self._first = op._next
+        else:
+            op._prev._next = op._next
+        if op._next is None:
+            self._last = op._prev
+        else:
+            op._next._prev = op._prev
+        op._prev = op._next = None
+        op.parent = None
+        self._count -= 1
+
+
+@define(eq=False, slots=True)
+class Region:
+    blocks: list[Block] = field(factory=list)
+    parent: Operation | None = field(default=None, repr=False)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @classmethod
+    def with_block(cls) -> Region:
+        region = cls()
+        region.add_block(Block())
+        return region
+
+    def add_block(self, block: Block) -> Block:
+        block.parent = self
+        self.blocks.append(block)
+        return block
+
+
+@define(eq=False)
+class Builder:
+    """Creates ops at an insertion point, inferring result types from the registry.
+
+    A builder with `loc` set stamps that location on every op it creates
+    unless the call gives its own.
+    """
+
+    block: Block
+    anchor: Operation | None = None
+    loc: Location | None = None
+    #: Called with each created op (the tracer uses it to stamp notes).
+    on_create: Callable[[Operation], None] | None = None
+
+    def create(
+        self,
+        name: str,
+        operands: Sequence[Value] = (),
+        attributes: dict[str, Any] | None = None,
+        result_types: Sequence[TensorType] | None = None,
+        loc: Location | None = None,
+        regions: Iterable[Region] = (),
+    ) -> Operation:
+        attributes = dict(attributes or {})
+        opdef = REGISTRY.lookup(name)
+        if opdef is None:
+            raise ValueError(f"unknown op {name}")
+        if result_types is None:
+            inferred = opdef.infer([v.type for v in operands], attributes)
+            if inferred is None:
+                raise ValueError(f"{name} needs explicit result types")
+            result_types = inferred
+        op = Operation.create(name, operands, result_types, attributes, list(regions), loc or self.loc)
+        if self.anchor is None:
+            self.block.append(op)
+        else:
+            self.block.insert_before(op, self.anchor)
+        if self.on_create is not None:
+            self.on_create(op)
+        return op
+
+    def value(self, name: str, *operands: Value, loc: Location | None = None, **attributes: Any) -> Value:
+        """Create a single-result op and return its result."""
+        return self.create(name, operands, attributes, loc=loc).result

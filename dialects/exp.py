@@ -1,0 +1,105 @@
+"""The `exp` dialect: what an experiment is, beside its graphs.
+
+These ops have no operands or results; their attributes hold the experiment:
+the selection, the parameter tree, loaders, optimizer groups, evaluations,
+diagnostics and the run. They sit at the top of a `builtin.module`, next to
+the `graph.func` ops of the graphs. Attribute values are ints, floats,
+bools, strings, `none`, lists, dicts, tensor types and symbol refs.
+
+What `evaluate` makes (later passes add what their docstrings say):
+
+    exp.selection {variant = "smoke" | none, knobs = {lr = [0.0015, "default"], ...}}
+    exp.param {path = "model.embed.table", type = tensor<256x128xf32>,
+               init = {kind = "normal", std = 0.02}, group = "model.embed.*"}   one per leaf
+    exp.loader {name, source = {kind = "token-file", path = ..., ...},
+                fields = [{name = "tokens", shape = [65], dtype = "i32"}], batch, shuffle, seed}
+    exp.group {name = "default", optimizer = "adamw" | "sgd", members = [paths],
+               hyper = {lr = {kind = "warmup-cosine", peak, warmup, steps, floor}, betas, eps,
+                        weight_decay, momentum, nesterov}, clip = none | float}
+              build-updates adds states = {m = elements, v = elements};
+              fold-constants adds constants = [sorted floats]
+    exp.evaluation {name = "eval", loader = "val-loader", every = 25, graph = @eval}
+    exp.diagnostic {name, of = {kind = "observed" | "grads" | "params", glob}, reducer, every,
+                    enabled = true | false}
+    exp.run {steps, loader, microbatches, precision, seed, checkpoints = none | N,
+             evaluations = [names], diagnostics = [names]}
+    graph.func @train {kind = "train"}: inputs role "param" (named by path) and
+             role "batch" (named by field); returns ["loss"]; autodiff adds "grad/<path>"
+"""
+
+from __future__ import annotations
+
+from sexpgpu.dialects.core import OpDef, Operation, VerifyError, register_op
+
+
+class _ExpOp(OpDef):
+    family = "exp"
+    num_operands = 0
+    num_results = 0
+    pure = False
+
+
+@register_op
+class ModuleOp(OpDef):
+    """The top-level container; printed as its ops, one a line."""
+
+    name = "builtin.module"
+    family = "module"
+    num_operands = 0
+    num_results = 0
+    num_regions = 1
+    pure = False
+
+
+@register_op
+class SelectionOp(_ExpOp):
+    """`exp.selection {variant, knobs = {name = [value, source]}}`."""
+
+    name = "exp.selection"
+    required_attrs = ("variant", "knobs")
+
+
+@register_op
+class ParamOp(_ExpOp):
+    """`exp.param {path, type, init, group}`: one leaf of the parameter tree."""
+
+    name = "exp.param"
+    required_attrs = ("path", "type", "init", "group")
+
+
+@register_op
+class LoaderOp(_ExpOp):
+    name = "exp.loader"
+    required_attrs = ("name", "source", "fields", "batch")
+
+
+@register_op
+class GroupOp(_ExpOp):
+    """An optimizer group: its members, states (with element counts) and folded constants."""
+
+    name = "exp.group"
+    required_attrs = ("name", "optimizer", "members")
+
+
+@register_op
+class EvaluationOp(_ExpOp):
+    name = "exp.evaluation"
+    required_attrs = ("name", "loader", "every", "graph")
+
+
+@register_op
+class DiagnosticOp(_ExpOp):
+    name = "exp.diagnostic"
+    required_attrs = ("name", "of", "reducer", "every")
+
+
+@register_op
+class RunOp(_ExpOp):
+    name = "exp.run"
+    required_attrs = ("steps", "loader", "microbatches", "precision", "seed")
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        super().verify(op)
+        if op.attributes["precision"] not in ("f32", "bf16"):
+            raise VerifyError(f"precision must be f32 or bf16, got {op.attributes['precision']}", op)

@@ -1,0 +1,140 @@
+"""The datums of the .sx language: what the reader makes and what the evaluator computes with.
+
+Atoms are plain Python values so that arithmetic on them is Python arithmetic:
+ints, floats, strings, ``True``/``False`` and ``None`` (nil). Symbols and
+keywords are small classes. Lists, vectors and maps read from source are list
+subclasses that carry their own location and the location of every element
+(``locs``), so an atom such as ``42`` inside a list can still be located.
+
+Runtime values the evaluator adds (functions, macros, several values) live in
+`frontend.evaluator`; tensors and experiment objects are defined by later
+layers through the protocols declared here (`TensorLike`, `__sx_repr__`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sexpgpu.diagnostics import Location
+
+
+class Symbol:
+    """A name. Equal to any symbol with the same name; `loc` is where this occurrence was read."""
+
+    __slots__ = ("name", "loc")
+
+    def __init__(self, name: str, loc: Location | None = None) -> None:
+        self.name = name
+        self.loc = loc
+
+    def __eq__(self, other: object) -> bool:
+        return other.__class__ is Symbol and other.name == self.name  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"Symbol({self.name!r})"
+
+
+class Keyword:
+    """`:name`; evaluates to itself. Interned, so `is` compares keywords."""
+
+    __slots__ = ("name",)
+    _table: dict[str, Keyword] = {}
+
+    def __new__(cls, name: str) -> Keyword:
+        kw = cls._table.get(name)
+        if kw is None:
+            kw = super().__new__(cls)
+            kw.name = name
+            cls._table[name] = kw
+        return kw
+
+    def __reduce__(self):
+        return (Keyword, (self.name,))
+
+    def __repr__(self) -> str:
+        return f"Keyword({self.name!r})"
+
+
+class SxList(list):
+    """A list datum `( … )`. `loc` is its opening paren; `locs[i]` locates element i (or is None)."""
+
+    __slots__ = ("loc", "locs")
+
+    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
+        super().__init__(items)
+        self.loc = loc
+        self.locs = locs
+
+
+class SxVector(list):
+    """A vector `[ … ]`: read syntax and runtime value (shapes, literal lists)."""
+
+    __slots__ = ("loc", "locs")
+
+    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
+        super().__init__(items)
+        self.loc = loc
+        self.locs = locs
+
+
+class SxMap(list):
+    """A map literal `{ k v … }` as read: keys and values alternate. Evaluates to a `dict`."""
+
+    __slots__ = ("loc", "locs")
+
+    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
+        super().__init__(items)
+        self.loc = loc
+        self.locs = locs
+
+
+#: Quote-like prefixes and the symbol each reads as: 'x is (quote x).
+QUOTE = "quote"
+QUASIQUOTE = "quasiquote"
+UNQUOTE = "unquote"
+UNQUOTE_SPLICING = "unquote-splicing"
+
+
+def loc_of(datum: object) -> Location | None:
+    """Where `datum` was read, if it carries a location (symbols, lists, vectors, maps)."""
+    return getattr(datum, "loc", None)
+
+
+def element_loc(container: object, index: int) -> Location | None:
+    """Where element `index` of a list/vector/map datum was read; falls back to the container."""
+    locs = getattr(container, "locs", None)
+    if locs is not None and index < len(locs) and locs[index] is not None:
+        return locs[index]
+    return getattr(container, "loc", None)
+
+
+def is_list(value: object) -> bool:
+    """A list value: a read or built list (not a vector). nil counts as the empty list."""
+    return value is None or (isinstance(value, list) and not isinstance(value, (SxVector, SxMap)))
+
+
+class TensorLike:
+    """Base class of tensor values (defined by the tracing layer).
+
+    The scalar builtins named in `TENSOR_OPS` check their arguments: when any is
+    a `TensorLike`, the call goes to ``TENSOR_OPS[name](loc, *args, **kwargs)``
+    instead of computing on Python numbers.
+    """
+
+    __slots__ = ()
+
+
+#: Tensor implementations of the overloaded builtins, filled by the tracing layer:
+#: name -> callable(loc, *args, **kwargs).
+TENSOR_OPS: dict[str, Any] = {}
+
+#: The builtins that dispatch to `TENSOR_OPS` when given a tensor.
+TENSOR_OVERLOADED = (
+    "+ - * / pow min max abs sqrt exp log cos sin tanh floor ceil round = != < <= > >= not".split()
+)
+
+#: Names that evaluate to themselves (as a `Symbol` without location): dtypes and `none`.
+SELF_EVALUATING_NAMES = ("f32", "bf16", "f16", "i32", "i64", "bool", "none")

@@ -1,0 +1,215 @@
+"""The pass manager: passes registered by name, pipelines parsed from strings.
+
+A pipeline transforms one `CompilationUnit`. For a `.sx` file the unit starts
+as source text: `read` makes forms, `macro-expand` expands them, `evaluate`
+builds the `builtin.module` holding the experiment; graph passes then rewrite
+that module and a dump pass (`explain`, `ir-json`, `print-values`) writes a
+report to `unit.out`.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, TextIO
+
+import attrs
+from attrs import define, field
+
+from sexpgpu.diagnostics import SxError, UsageError
+
+
+@define
+class CompilationUnit:
+    """What a pipeline transforms: a file's text, its forms, its IR module."""
+
+    path: str | None = None
+    text: str | None = None
+    #: Top-level data after `read` / `macro-expand`.
+    forms: list[Any] | None = None
+    #: The `builtin.module` after `evaluate` or after parsing textual IR.
+    module: Any = None
+    variant: str | None = None
+    sets: list[str] = field(factory=list)
+    #: Where dump passes write their report.
+    out: TextIO = field(factory=lambda: sys.stdout)
+    #: Facts passes leave for later passes and reports (casts added, memory bound, ...).
+    facts: dict[str, Any] = field(factory=dict)
+    #: Whether a dump pass wrote the output (so the tool does not also print the IR).
+    dumped: bool = False
+
+    def op_count(self) -> int:
+        if self.module is not None:
+            return sum(1 for _ in self.module.walk()) - 1
+        if self.forms is not None:
+            return len(self.forms)
+        return 0
+
+    def printable(self) -> str:
+        """The unit's current IR as text: the module, else the forms."""
+        if self.module is not None:
+            from sexpgpu.dialects.printer import print_module
+
+            return print_module(self.module)
+        if self.forms is not None:
+            from sexpgpu.frontend.printing import show_form
+
+            return "".join(show_form(f) + "\n" for f in self.forms)
+        return self.text or ""
+
+
+class Pass:
+    """A named transformation of a compilation unit.
+
+    Subclasses are attrs classes whose fields are the pass options (written
+    `name{opt=value}` in a pipeline); `run` transforms the unit in place.
+    """
+
+    name: ClassVar[str]
+    #: A one-line summary for `sexpgpu-opt --help`.
+    summary: ClassVar[str] = ""
+
+    def run(self, unit: CompilationUnit) -> None:
+        raise NotImplementedError
+
+
+PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Class decorator making a pass available by its name in pipelines."""
+    if cls.name in PASSES:
+        raise ValueError(f"pass {cls.name} registered twice")
+    PASSES[cls.name] = cls
+    return cls
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _convert_option(pass_cls: type[Pass], attr: attrs.Attribute, raw: str) -> Any:
+    default = attr.default.factory() if isinstance(attr.default, attrs.Factory) else attr.default  # type: ignore[arg-type]
+    try:
+        if isinstance(default, bool):
+            if raw not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw in ("true", "1")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise UsageError(f"option '{attr.name}' of pass '{pass_cls.name}' takes a {type(default).__name__}, not '{raw}'") from None
+    return raw
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """`'canonicalize,cse,fuse{max-nodes=15}'` → pass instances; unknown names are a UsageError."""
+    from sexpgpu.passes import load_all
+
+    load_all()
+    pipeline = []
+    for item in _split_top(text, ","):
+        name, _, rest = item.partition("{")
+        name = name.strip()
+        if name not in PASSES:
+            from sexpgpu.diagnostics import nearest
+
+            hint = nearest(name, PASSES)
+            raise UsageError(f"unknown pass '{name}'" + (f"; did you mean '{hint}'?" if hint else ""))
+        cls = PASSES[name]
+        options: dict[str, Any] = {}
+        if rest:
+            if not rest.endswith("}"):
+                raise UsageError(f"unclosed options of pass '{name}'")
+            fields = {a.name.replace("_", "-"): a for a in attrs.fields(cls)} if attrs.has(cls) else {}
+            for opt in _split_top(rest[:-1], ","):
+                key, eq, raw = opt.partition("=")
+                key = key.strip()
+                if not eq or key not in fields:
+                    known = ", ".join(fields) or "none"
+                    raise UsageError(f"pass '{name}' has no option '{key}' (options: {known})")
+                options[fields[key].name] = _convert_option(cls, fields[key], raw.strip())
+        pipeline.append(cls(**options))
+    return pipeline
+
+
+@define
+class PassManager:
+    """Runs a pipeline with the instrumentation `sexpgpu-opt` offers."""
+
+    passes: list[Pass]
+    print_before: set[str] = field(factory=set)
+    print_after: set[str] = field(factory=set)
+    print_after_all: bool = False
+    verify_each: bool = False
+    timing: bool = False
+    #: Where instrumentation prints (IR dumps and timings).
+    log: TextIO = field(factory=lambda: sys.stderr)
+    timings: list[tuple[str, float, int, int]] = field(factory=list)
+
+    def run(self, unit: CompilationUnit) -> None:
+        for p in self.passes:
+            if p.name in self.print_before:
+                self._dump(f"IR Dump Before {p.name}", unit)
+            before = unit.op_count() if self.timing else 0
+            start = time.perf_counter()
+            p.run(unit)
+            elapsed = time.perf_counter() - start
+            if self.timing:
+                self.timings.append((p.name, elapsed, before, unit.op_count()))
+            if self.verify_each and unit.module is not None:
+                unit.module.verify()
+            if self.print_after_all or p.name in self.print_after:
+                self._dump(f"IR Dump After {p.name}", unit)
+        if self.timing:
+            self.log.write(self.timing_report())
+
+    def _dump(self, title: str, unit: CompilationUnit) -> None:
+        self.log.write(f"// -----// {title} //----- //\n{unit.printable()}\n")
+
+    def timing_report(self) -> str:
+        out = io.StringIO()
+        total = sum(t for _, t, _, _ in self.timings)
+        out.write("===-------------------------------------------------------------------------===\n")
+        out.write("                         ... Pass execution timing report ...\n")
+        out.write("===-------------------------------------------------------------------------===\n")
+        out.write(f"  Total Execution Time: {total:.4f} seconds\n\n")
+        out.write("   ----Wall Time----  ----Ops----  ----Name----\n")
+        for name, t, before, after in self.timings:
+            pct = 100.0 * t / total if total else 0.0
+            out.write(f"   {t:.4f} ({pct:5.1f}%)  {before:>5} -> {after:<5}  {name}\n")
+        out.write(f"   {total:.4f} (100.0%)                {'Total'}\n")
+        return out.getvalue()
+
+
+def run_pipeline(unit: CompilationUnit, pipeline: str) -> CompilationUnit:
+    """Run a pipeline string on a unit (the API verbs use)."""
+    PassManager(parse_pipeline(pipeline)).run(unit)
+    return unit
+
+
+def module_pass(fn: Callable[[Any], None]) -> Callable[[CompilationUnit], None]:
+    """Adapts a function of the module to a pass body, requiring a module."""
+
+    def run(unit: CompilationUnit) -> None:
+        if unit.module is None:
+            raise SxError("this pass needs IR: run 'evaluate' first on a .sx file")
+        fn(unit.module)
+
+    return run

@@ -1,0 +1,21 @@
+# lit configuration: golden tests piping sexpgpu / sexpgpu-opt into filecheck.
+import os
+import shutil
+import sys
+
+import lit.formats
+
+config.name = "sexpgpu"
+config.test_format = lit.formats.ShTest(execute_external=False)
+config.suffixes = [".sx", ".sxir", ".test"]
+config.excludes = ["Inputs", "lit.cfg.py"]
+config.test_source_root = os.path.dirname(__file__)
+config.test_exec_root = os.path.join(config.test_source_root, "Output")
+
+bindir = os.path.dirname(sys.executable)
+config.environment["PATH"] = os.pathsep.join([bindir, config.environment.get("PATH", os.environ.get("PATH", ""))])
+config.environment["PYTHONIOENCODING"] = "utf-8"
+for tool in ("sexpgpu", "sexpgpu-opt", "filecheck"):
+    if shutil.which(tool, path=config.environment["PATH"]) is None:
+        lit_config.fatal(f"{tool} not found next to {sys.executable}: run pip install -e '.[test]'")
+config.substitutions.append(("%python", sys.executable))

@@ -1,0 +1,59 @@
+"""`sexpgpu`: the verbs a researcher runs on an experiment file."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sexpgpu.tools.common import add_selection_flags, guarded
+
+#: verb → (module under sexpgpu.tools providing `add_arguments(parser)` (optional) and `run(args) -> int`, help)
+VERBS = {
+    "check": ("check_cmd", "read, evaluate and verify every graph"),
+    "knobs": ("knobs_cmd", "list the knobs, their defaults and each variant's values"),
+    "eval": ("eval_cmd", "evaluate every top-level form and print its value"),
+    "explain": ("explain_cmd", "the target-independent account of one file"),
+    "diff": ("diff_cmd", "what differs between two files or two selections"),
+    "ir": ("ir_cmd", "the whole experiment as a JSON document"),
+    "run": ("run_cmd", "train the experiment"),
+    "plot": ("plot_cmd", "plot the metrics of a run record as a PNG"),
+}
+
+#: Verbs that take no experiment selection.
+_NO_SELECTION = {"plot"}
+
+
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen verb's module is imported, so `--help` stays fast."""
+    parser = argparse.ArgumentParser(prog="sexpgpu", description="Compile and run deep-learning experiments written as S-expressions.")
+    from sexpgpu import __version__
+
+    parser.add_argument("--version", action="version", version=f"sexpgpu {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb, (module, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        mod = importlib.import_module(f"sexpgpu.tools.{module}") if verb == chosen else None
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(p)
+        else:
+            p.add_argument("file", help="the experiment (.sx)")
+        if verb not in _NO_SELECTION:
+            add_selection_flags(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body() -> int:
+        words = sys.argv[1:] if argv is None else argv
+        chosen = next((w for w in words if not w.startswith("-")), None)
+        args = build_parser(chosen).parse_args(words)
+        module = importlib.import_module(f"sexpgpu.tools.{VERBS[args.verb][0]}")
+        return module.run(args)
+
+    return guarded(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
