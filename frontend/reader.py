@@ -10,6 +10,7 @@ unbounded), and errors that name what was open ("unclosed '(' opened at 12:3").
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import re
 from pathlib import Path
@@ -47,11 +48,25 @@ def _lark() -> Lark:
 
 @functools.cache
 def _scanner() -> re.Pattern[str]:
-    """One alternation of every terminal of the grammar, tried in the grammar's priority order."""
-    terminals = sorted(
-        _lark().terminals, key=lambda t: (-t.priority, -len(t.pattern.to_regexp()))
-    )
-    return re.compile("|".join(f"(?P<{t.name}>{t.pattern.to_regexp()})" for t in terminals))
+    """The grammar's terminals as one regex that skips what the grammar ignores, then matches a token.
+
+    Literal punctuation comes first (longest first, so ',@' before ','), then the
+    pattern terminals in the grammar's priority order (FLOAT before INT before SYMBOL).
+    """
+    lark = _lark()
+    ignored = [t for t in lark.terminals if t.name in lark.ignore_tokens]
+    tokens = [t for t in lark.terminals if t.name not in lark.ignore_tokens]
+    tokens.sort(key=lambda t: (t.pattern.type != "str", -t.priority, -len(t.pattern.value)))
+    skip = "|".join(t.pattern.to_regexp() for t in ignored)
+    alternation = "|".join(f"(?P<{t.name}>{t.pattern.to_regexp()})" for t in tokens)
+    return re.compile(f"(?:{skip})*(?:{alternation})")
+
+
+@functools.cache
+def _skipper() -> re.Pattern[str]:
+    """What the grammar ignores (whitespace and comments), to find where a failed scan stopped."""
+    lark = _lark()
+    return re.compile("(?:" + "|".join(t.pattern.to_regexp() for t in lark.terminals if t.name in lark.ignore_tokens) + ")*")
 
 
 def read_file(path: str) -> SxList:
@@ -68,7 +83,15 @@ def read_file(path: str) -> SxList:
 def read_text(text: str, file: str = "<string>") -> SxList:
     """Read every datum of `text` (attributed to `file`) into a top-level list."""
     remember_source(file, text)
-    return _Reader(text, file).read_all()
+    # Reading allocates many small containers and nothing cyclic: the cyclic collector
+    # would rescan the growing tree again and again (reading 1 MB took 4x longer).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _Reader(text, file).read_all()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def parse_string_literal(token: str, file: str, line: int, col: int) -> str:
@@ -125,32 +148,28 @@ class _Reader:
 
     def read_all(self) -> SxList:
         text, file = self.text, self.file
-        match = _scanner().match
         top = _Frame("", None)
         stack = [top]
         frame = top
-        pos, line, line_start, end = 0, 1, 0, len(text)
-        while pos < end:
-            m = match(text, pos)
-            if m is None:
-                self._unscannable(pos, line, pos - line_start + 1, stack)
+        # Lines are found by walking the newlines as tokens advance (tokens come in order).
+        line, line_start = 1, 0
+        next_newline = text.find("\n")
+        expected = 0
+        for m in _scanner().finditer(text):
+            if m.start() != expected:
+                self._unscannable(expected)
+            expected = pos = m.end()
             kind = m.lastgroup
-            tok = m.group()
-            col = pos - line_start + 1
-            pos = m.end()
-            if kind == "WHITESPACE" or kind == "BLOCK_COMMENT":
-                if "\n" in tok:
-                    line += tok.count("\n")
-                    line_start = m.start() + tok.rfind("\n") + 1
-                continue
-            elif kind == "STRING":
+            tok = m.group(kind)
+            start = pos - len(tok)
+            while 0 <= next_newline < start:
+                line += 1
+                line_start = next_newline + 1
+                next_newline = text.find("\n", line_start)
+            col = start - line_start + 1
+            if kind == "STRING":
                 value = parse_string_literal(tok, file, line, col)
-                if "\n" in tok:
-                    loc = Location(file, line, col)
-                    line += tok.count("\n")
-                    line_start = m.start() + tok.rfind("\n") + 1
-                else:
-                    loc = Location(file, line, col, col + len(tok))
+                loc = Location(file, line, col) if "\n" in tok else Location(file, line, col, col + len(tok))
             elif kind == "SYMBOL":
                 loc = Location(file, line, col, col + len(tok))
                 if tok in _ATOM_CONSTANTS:
@@ -163,8 +182,6 @@ class _Reader:
             elif kind == "KEYWORD":
                 loc = Location(file, line, col, col + len(tok))
                 value = Keyword(tok[1:])
-            elif kind == "LINE_COMMENT":
-                continue
             else:
                 punct = _PUNCTUATION[kind]
                 loc = Location(file, line, col)
@@ -204,6 +221,8 @@ class _Reader:
             else:
                 frame.items.append(value)
                 frame.locs.append(loc)
+        if expected != len(text) and _skipper().match(text, expected).end() != len(text):
+            self._unscannable(expected)
         if len(stack) > 1:
             opened = stack[-1]
             raise SxError(
@@ -219,8 +238,12 @@ class _Reader:
         punct, ploc = frame.prefixes[-1]
         raise SxError(f"expected a form after '{punct}', found {found}", ploc)
 
-    def _unscannable(self, pos: int, line: int, col: int, stack: list[_Frame]) -> None:
+    def _unscannable(self, pos: int) -> None:
+        """Raise the error for the text at `pos` that no token matches."""
         text = self.text
+        pos = _skipper().match(text, pos).end()
+        line = text.count("\n", 0, pos) + 1
+        col = pos - (text.rfind("\n", 0, pos) + 1) + 1
         ch = text[pos]
         loc = Location(self.file, line, col)
         if ch == '"':
