@@ -1,0 +1,1198 @@
+"""The .sx evaluator (language.md §2).
+
+Each top-level form is analysed once into a tree of Python closures ("nodes",
+``node(frame) -> value``) and then run. Analysis resolves every local variable
+to a (depth, slot) address: a runtime frame is a Python list whose slot 0 is the
+enclosing frame, so a variable reference is one or two list indexings.
+`let` bindings live in the slots of the enclosing function's frame. `def` always
+defines a global (the session's top-level environment, shared with required
+files). Macros are expanded during analysis, so a macro must be defined before
+the forms that use it are evaluated.
+
+Extension points for the layers above (the experiment language):
+
+- `register_builtin` / `@builtin`: Python functions by name, optionally given the
+  call's `Location` and the call's `:key value` pairs as Python keyword arguments.
+- `register_special_form`: forms that receive their arguments unevaluated, with an
+  `Env` to evaluate them in and the form's location.
+- `data.TENSOR_OPS`: tensor implementations of the overloaded arithmetic.
+- `user_location`, `call_trail`: where the user's code is, from inside a builtin.
+- `Evaluator`: a session with its own globals; `eval_file`, `load_prelude`.
+- `Defined`: the value of a defining form, printed `name = value` by `eval`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sexpgpu.diagnostics import Location, SxError, nearest
+
+from .data import (
+    QUASIQUOTE,
+    QUOTE,
+    SELF_EVALUATING_NAMES,
+    UNQUOTE,
+    UNQUOTE_SPLICING,
+    Keyword,
+    SxList,
+    SxMap,
+    SxVector,
+    Symbol,
+    element_loc,
+)
+from .reader import read_file
+
+#: Nested calls of .sx functions allowed before a located "too deep" error.
+MAX_CALL_DEPTH = 10_000
+#: Python frames the analysed code may use: a few per .sx call, with room to spare.
+_PYTHON_RECURSION_LIMIT = MAX_CALL_DEPTH * 12 + 10_000
+#: Stack of the evaluation thread: enough for `_PYTHON_RECURSION_LIMIT` frames.
+_THREAD_STACK_BYTES = 1024 * 1024 * 1024
+
+
+# -- runtime values ---------------------------------------------------------------------------
+
+
+class Values:
+    """Several values, from `(values a b …)`; printed `#<values a b>`."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple) -> None:
+        self.items = items
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Values) and other.items == self.items
+
+    def __hash__(self) -> int:
+        return hash(self.items)
+
+    def __sx_repr__(self) -> str:
+        return "#<values " + " ".join(show(x) for x in self.items) + ">"
+
+
+class Defined:
+    """What a defining top-level form returns: `eval` prints it `name = value`.
+
+    Any special form or builtin that defines a name may return one.
+    """
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: Any) -> None:
+        self.name = name
+        self.value = value
+
+    def __sx_repr__(self) -> str:
+        return f"{self.name} = {show(self.value)}"
+
+
+class BuiltinError(Exception):
+    """Raised by a builtin for a bad argument; the evaluator locates it at the call."""
+
+
+_MISSING = object()
+
+
+class ParamSpec:
+    """A parsed argument list: `(a b &rest xs &key k (k2 default))`."""
+
+    __slots__ = ("required", "rest", "keys", "defaults")
+
+    def __init__(self, required: list[str], rest: str | None, keys: list[str], defaults: list[Any]) -> None:
+        self.required = required
+        self.rest = rest
+        self.keys = keys
+        #: One per key: the default's form, or `_MISSING` for a required key.
+        self.defaults = defaults
+
+    @property
+    def names(self) -> list[str]:
+        return self.required + ([self.rest] if self.rest else []) + self.keys
+
+
+def parse_params(form: Any, loc: Location | None, what: str) -> ParamSpec:
+    """Parse an argument list; `what` names the function in errors."""
+    if form is None:
+        form = SxList()
+    if not isinstance(form, (SxList, SxVector)):
+        raise SxError(f"{what}: expected an argument list like (a b &key c), got {show(form)}", loc)
+    required: list[str] = []
+    rest = None
+    keys: list[str] = []
+    defaults: list[Any] = []
+    mode = "positional"
+    for i, item in enumerate(form):
+        item_loc = element_loc(form, i)
+        if isinstance(item, Symbol) and item.name in ("&rest", "&key"):
+            mode = item.name
+            continue
+        if mode == "&key" and isinstance(item, SxList) and len(item) == 2 and isinstance(item[0], Symbol):
+            keys.append(item[0].name)
+            defaults.append(item[1])
+            continue
+        if not isinstance(item, Symbol):
+            raise SxError(f"{what}: argument names must be symbols, got {show(item)}", item_loc)
+        if mode == "positional":
+            required.append(item.name)
+        elif mode == "&rest":
+            if rest is not None:
+                raise SxError(f"{what}: &rest takes one name", item_loc)
+            rest = item.name
+        else:
+            keys.append(item.name)
+            defaults.append(_MISSING)
+    spec = ParamSpec(required, rest, keys, defaults)
+    seen = set()
+    for name in spec.names:
+        if name in seen:
+            raise SxError(f"{what}: argument '{name}' appears twice", loc)
+        seen.add(name)
+    return spec
+
+
+class Closure:
+    """A function made by `fn`, `defn` or `defmacro`."""
+
+    __slots__ = ("name", "spec", "env", "body", "nslots", "simple", "padding", "key_slots", "default_nodes")
+
+    def __init__(self, name: str | None, spec: ParamSpec, env: list | None, body: Callable, nslots: int,
+                 default_nodes: list) -> None:  # fmt: skip
+        self.name = name
+        self.spec = spec
+        self.env = env
+        self.body = body
+        self.nslots = nslots
+        self.simple = not spec.rest and not spec.keys
+        #: Slots after the arguments (for `let` bindings), filled with nil.
+        self.padding = [None] * (nslots - 1 - len(spec.required))
+        first_key = 1 + len(spec.required) + (1 if spec.rest else 0)
+        self.key_slots = {k: first_key + i for i, k in enumerate(spec.keys)}
+        self.default_nodes = default_nodes
+
+    def describe(self) -> str:
+        return f"'{self.name}'" if self.name else "the anonymous function"
+
+    def __sx_repr__(self) -> str:
+        return f"#<function {self.name}>" if self.name else "#<function>"
+
+    def bind(self, args: list, loc: Location | None) -> list:
+        """The frame for a call with `args`, checking arity and keyword arguments."""
+        spec = self.spec
+        nreq = len(spec.required)
+        if len(args) < nreq:
+            missing = spec.required[len(args)]
+            raise SxError(
+                f"{self.describe()} expects {_count(nreq, 'argument')}{' and more' if spec.rest else ''}, "
+                f"got {len(args)}: missing '{missing}'",
+                loc,
+            )
+        extra = args[nreq:]
+        frame = [self.env, *args[:nreq]]
+        if spec.rest:
+            frame.append(SxList(extra))
+        if spec.keys:
+            frame.extend(_MISSING for _ in spec.keys)
+            frame.extend(self.padding[len(spec.keys) + (1 if spec.rest else 0):])
+            self._bind_keys(frame, extra, loc)
+        else:
+            if extra and not spec.rest:
+                raise SxError(
+                    f"{self.describe()} expects {_count(nreq, 'argument')}, got {len(args)}", loc
+                )
+            frame.extend(self.padding[(1 if spec.rest else 0):])
+        return frame
+
+    def _bind_keys(self, frame: list, extra: list, loc: Location | None) -> None:
+        if len(extra) % 2:
+            raise SxError(
+                f"keyword arguments to {self.describe()} must come in ':name value' pairs; "
+                f"got an odd number ({len(extra)}) after the positional arguments",
+                loc,
+            )
+        for i in range(0, len(extra), 2):
+            key = extra[i]
+            if not isinstance(key, Keyword):
+                raise SxError(
+                    f"{self.describe()} expects keyword arguments (:name value) after "
+                    f"{_count(len(self.spec.required), 'positional argument')}, got {show(key)}",
+                    loc,
+                )
+            slot = self.key_slots.get(key.name)
+            if slot is None:
+                hint = nearest(key.name, self.spec.keys)
+                known = " ".join(":" + k for k in self.spec.keys)
+                raise SxError(
+                    f"{self.describe()} has no keyword argument ':{key.name}'"
+                    + (f"; did you mean ':{hint}'?" if hint else f" (it takes {known})"),
+                    loc,
+                )
+            frame[slot] = extra[i + 1]
+        for key, default, node in zip(self.spec.keys, self.spec.defaults, self.default_nodes):
+            slot = self.key_slots[key]
+            if frame[slot] is _MISSING:
+                if default is _MISSING:
+                    raise SxError(f"{self.describe()} requires the keyword argument ':{key}'", loc)
+                frame[slot] = node(frame)
+
+
+class Macro:
+    """A macro: a function from forms to a form, run during analysis."""
+
+    __slots__ = ("name", "fn")
+
+    def __init__(self, name: str, fn: Closure) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __sx_repr__(self) -> str:
+        return f"#<macro {self.name}>"
+
+
+class Builtin:
+    """A function written in Python.
+
+    `wants_loc`: the function's first argument is the call's `Location`.
+    `keywords`: the names (with '-' written '_') the function takes as Python keyword
+    arguments from `:name value` pairs at the end of a call; `any_keyword` when it
+    takes `**kwargs`.
+    """
+
+    __slots__ = ("name", "fn", "wants_loc", "keywords", "any_keyword", "min_args", "max_args")
+
+    def __init__(self, name: str, fn: Callable, wants_loc: bool = False, kwargs: bool = False) -> None:
+        self.name = name
+        self.fn = fn
+        self.wants_loc = wants_loc
+        params = list(inspect.signature(fn).parameters.values())[1 if wants_loc else 0 :]
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.min_args = sum(1 for p in positional if p.default is p.empty)
+        has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+        self.max_args = None if has_varargs else len(positional)
+        self.keywords = (
+            {p.name for p in params if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
+            if kwargs
+            else set()
+        )
+        self.any_keyword = kwargs and any(p.kind is p.VAR_KEYWORD for p in params)
+
+    def __sx_repr__(self) -> str:
+        return f"#<builtin {self.name}>"
+
+    def call(self, args: list, loc: Location | None) -> Any:
+        kwargs = self._split_keywords(args, loc) if (self.keywords or self.any_keyword) else None
+        if kwargs is not None:
+            args = args[: len(args) - 2 * len(kwargs)]
+        n = len(args)
+        if n < self.min_args or (self.max_args is not None and n > self.max_args):
+            if self.max_args == self.min_args:
+                expected = _count(self.min_args, "argument")
+            elif self.max_args is None:
+                expected = f"at least {_count(self.min_args, 'argument')}"
+            else:
+                expected = f"{self.min_args} to {self.max_args} arguments"
+            raise SxError(f"'{self.name}' expects {expected}, got {n}", loc)
+        try:
+            if self.wants_loc:
+                return self.fn(loc, *args, **kwargs) if kwargs else self.fn(loc, *args)
+            return self.fn(*args, **kwargs) if kwargs else self.fn(*args)
+        except BuiltinError as e:
+            raise SxError(f"'{self.name}': {e}", loc) from None
+        except RecursionError:
+            raise SxError(f"'{self.name}': the data nests too deeply", loc) from None
+
+    def _split_keywords(self, args: list, loc: Location | None) -> dict[str, Any]:
+        """The trailing `:name value` pairs, as Python keyword arguments."""
+        start = len(args)
+        for i in range(self.min_args, len(args)):
+            arg = args[i]
+            if isinstance(arg, Keyword) and (self.any_keyword or arg.name.replace("-", "_") in self.keywords):
+                start = i
+                break
+        tail = args[start:]
+        if len(tail) % 2:
+            raise SxError(f"keyword arguments to '{self.name}' must come in ':name value' pairs", loc)
+        kwargs: dict[str, Any] = {}
+        for i in range(0, len(tail), 2):
+            key = tail[i]
+            if not isinstance(key, Keyword):
+                raise SxError(f"'{self.name}' expects ':name value' pairs after {show(tail[0])}, got {show(key)}", loc)
+            name = key.name.replace("-", "_")
+            if not self.any_keyword and name not in self.keywords:
+                hint = nearest(name, self.keywords)
+                raise SxError(
+                    f"'{self.name}' has no keyword argument ':{key.name}'"
+                    + (f"; did you mean ':{hint.replace('_', '-')}'?" if hint else ""),
+                    loc,
+                )
+            kwargs[name] = tail[i + 1]
+        return kwargs
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+# -- registries -------------------------------------------------------------------------------
+
+#: Builtins every new `Evaluator` starts with, by name.
+BUILTINS: dict[str, Builtin] = {}
+
+#: Special form name -> analyser(evaluator, form, scope, loc) -> node.
+_CORE_FORMS: dict[str, Callable] = {}
+
+#: Special forms registered by other layers: name -> fn(env, args, loc) -> value.
+SPECIAL_FORMS: dict[str, Callable[[Env, list, Location | None], Any]] = {}
+
+
+def register_builtin(name: str, fn: Callable, *, loc: bool = False, kwargs: bool = False) -> Builtin:
+    """Make `fn` the builtin `name` in every evaluator created afterwards (and return it).
+
+    With `loc=True` the function receives the call's `Location` first. With
+    `kwargs=True`, trailing `:name value` pairs become Python keyword arguments
+    (keyword-only or defaulted parameters, `-` in names written `_`).
+    """
+    b = Builtin(name, fn, loc, kwargs)
+    BUILTINS[name] = b
+    return b
+
+
+def builtin(name: str, *, loc: bool = False, kwargs: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator form of `register_builtin`."""
+
+    def register(fn: Callable) -> Callable:
+        register_builtin(name, fn, loc=loc, kwargs=kwargs)
+        return fn
+
+    return register
+
+
+def register_special_form(name: str, fn: Callable[[Env, list, Location | None], Any]) -> None:
+    """Make `name` a special form: `fn(env, args, loc)` gets the unevaluated argument forms.
+
+    `env.eval(form)` evaluates one of them where the special form appears;
+    `env.loc_of_arg(i)` locates argument i. Return a `Defined` to print `name = value`.
+    """
+    SPECIAL_FORMS[name] = fn
+
+
+def _core(name: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        _CORE_FORMS[name] = fn
+        return fn
+
+    return register
+
+
+# -- call stack -------------------------------------------------------------------------------
+
+#: Locations of the calls of .sx functions in progress, outermost first.
+_CALLS: list[Location | None] = []
+#: Files whose code is library code (the prelude): `user_location` looks through them.
+LIBRARY_FILES: set[str] = set()
+
+
+def call_trail() -> list[Location]:
+    """The call sites of the .sx functions in progress, innermost first."""
+    return [loc for loc in reversed(_CALLS) if loc is not None]
+
+
+def user_location(loc: Location | None) -> Location | None:
+    """`loc` if it is in the user's code; else the innermost call site in user code, with `loc` as `via`."""
+    if loc is None or loc.file not in LIBRARY_FILES:
+        return loc
+    for frame in reversed(_CALLS):
+        if frame is not None and frame.file not in LIBRARY_FILES:
+            return frame.with_via(loc)
+    return loc
+
+
+def invoke(fn: Any, args: list, loc: Location | None) -> Any:
+    """Call a .sx function value (closure or builtin) with evaluated `args`, from `loc`."""
+    if fn.__class__ is Closure:
+        frame = [fn.env, *args, *fn.padding] if fn.simple and len(args) == len(fn.spec.required) else fn.bind(args, loc)
+        calls = _CALLS
+        if len(calls) >= MAX_CALL_DEPTH:
+            raise SxError(
+                f"calls nest too deeply (more than {MAX_CALL_DEPTH}) in {fn.describe()}; "
+                "is a recursion missing its base case?",
+                loc,
+            )
+        calls.append(loc)
+        try:
+            return fn.body(frame)
+        except SxError as e:
+            if loc is not None and len(e.trail) < 50:
+                e.trail.append(loc)
+            raise
+        finally:
+            calls.pop()
+    if fn.__class__ is Builtin:
+        return fn.call(args, loc)
+    if isinstance(fn, Macro):
+        raise SxError(f"macro '{fn.name}' cannot be called as a function", loc)
+    raise SxError(f"{show(fn)} is not a function", loc)
+
+
+# -- analysis ---------------------------------------------------------------------------------
+
+
+class _FrameInfo:
+    """The slots of one runtime frame (a function's arguments and its `let` bindings)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+
+    def allocate(self) -> int:
+        self.size += 1
+        return self.size - 1
+
+
+class Scope:
+    """The local names visible at a point of the code, mapped to slots of frames."""
+
+    __slots__ = ("names", "frame", "parent", "cache")
+
+    def __init__(self, frame: _FrameInfo, parent: Scope | None) -> None:
+        self.names: dict[str, int] = {}
+        self.frame = frame
+        self.parent = parent
+        #: Nodes analysed for `Env.eval`, by form identity (the form is kept alive with its node).
+        self.cache: dict[int, tuple[Any, Callable]] = {}
+
+    def lookup(self, name: str) -> tuple[int, int] | None:
+        """(frames up, slot) of a local `name`, or None for a global."""
+        depth, scope = 0, self
+        while scope is not None:
+            slot = scope.names.get(name)
+            if slot is not None:
+                return depth, slot
+            parent = scope.parent
+            if parent is not None and parent.frame is not scope.frame:
+                depth += 1
+            scope = parent
+        return None
+
+    def bind(self, name: str) -> int:
+        slot = self.frame.allocate()
+        self.names[name] = slot
+        return slot
+
+    def child(self) -> Scope:
+        """A nested scope in the same frame (a `let`)."""
+        return Scope(self.frame, self)
+
+    def function(self) -> Scope:
+        """The scope of a function body: a new frame whose slot 0 is this scope's frame."""
+        return Scope(_FrameInfo(), self)
+
+    def all_names(self) -> set[str]:
+        names, scope = set(), self
+        while scope is not None:
+            names.update(scope.names)
+            scope = scope.parent
+        return names
+
+
+class Env:
+    """Where a registered special form appears: evaluates its argument forms there."""
+
+    __slots__ = ("evaluator", "scope", "frame", "form")
+
+    def __init__(self, evaluator: Evaluator, scope: Scope, frame: list, form: SxList) -> None:
+        self.evaluator = evaluator
+        self.scope = scope
+        self.frame = frame
+        self.form = form
+
+    def eval(self, form: Any, loc: Location | None = None) -> Any:
+        """Evaluate `form` in the special form's lexical environment."""
+        cached = self.scope.cache.get(id(form))
+        if cached is None or cached[0] is not form:
+            # A nested frame: the form may bind `let` slots the running frame does not have.
+            inner = self.scope.function()
+            body = self.evaluator.analyze(form, inner, loc or self.form.loc)
+            info = inner.frame
+
+            def node(frame: list, body: Callable = body, info: _FrameInfo = info) -> Any:
+                return body([frame] + [None] * (info.size - 1))
+
+            cached = (form, node)
+            self.scope.cache[id(form)] = cached
+        return cached[1](self.frame)
+
+    def loc_of_arg(self, index: int) -> Location | None:
+        """The location of argument `index` (0 is the first after the form's name)."""
+        return element_loc(self.form, index + 1)
+
+    def bind_global(self, name: str, value: Any) -> None:
+        self.evaluator.globals[name] = value
+
+
+def _is_special(name: str) -> bool:
+    return name in _CORE_FORMS or name in SPECIAL_FORMS
+
+
+class Evaluator:
+    """A session: one global environment, the files it required, the library files."""
+
+    def __init__(self, extra_builtins: dict[str, Builtin] | None = None) -> None:
+        from . import builtins as _library  # noqa: F401  (registers the standard builtins)
+
+        self.globals: dict[str, Any] = {name: Symbol(name) for name in SELF_EVALUATING_NAMES}
+        self.globals.update(BUILTINS)
+        if extra_builtins:
+            self.globals.update(extra_builtins)
+        #: Absolute paths of the files required so far.
+        self.loaded: set[str] = set()
+        #: The files being evaluated, outermost first (for require cycles).
+        self.loading: list[str] = []
+        self._gensym_counter = itertools.count(1)
+        for b in (
+            Builtin("gensym", self.gensym),
+            Builtin("macroexpand-1", lambda loc, form: self.macroexpand(form, loc, once=True), wants_loc=True),
+            Builtin("macroexpand", lambda loc, form: self.macroexpand(form, loc), wants_loc=True),
+        ):
+            self.globals[b.name] = b
+
+    # -- entry points --
+
+    def eval_file(self, path: str) -> list[tuple[Any, Any]]:
+        """Evaluate every top-level form of `path`; (form, value) for each."""
+        return run_deep(lambda: self._eval_file(path))
+
+    def eval_text(self, text: str, file: str = "<string>") -> list[Any]:
+        """Evaluate every top-level form of `text`; the value of each."""
+        from .reader import read_text
+
+        forms = read_text(text, file)
+        return run_deep(lambda: [self.eval_toplevel(f, loc) for f, loc in zip(forms, forms.locs)])
+
+    def load_prelude(self, path: str) -> None:
+        """Evaluate a library file: `user_location` looks through its frames."""
+        LIBRARY_FILES.add(os.path.abspath(path))
+        LIBRARY_FILES.add(path)
+        self.eval_file(path)
+
+    def eval_toplevel(self, form: Any, loc: Location | None) -> Any:
+        """Analyse and run one top-level form."""
+        scope = Scope(_FrameInfo(), None)
+        node = self.analyze(form, scope, loc)
+        return node([None] * scope.frame.size)
+
+    def _eval_file(self, path: str) -> list[tuple[Any, Any]]:
+        forms = read_file(path)
+        self.loading.append(os.path.abspath(path))
+        try:
+            return [(f, self.eval_toplevel(f, loc)) for f, loc in zip(forms, forms.locs)]
+        finally:
+            self.loading.pop()
+
+    def require(self, target: str, loc: Location | None) -> None:
+        """Evaluate the file `target` (relative to the requiring file) unless done already."""
+        base = os.path.dirname(loc.file) if loc and not loc.file.startswith("<") else "."
+        path = os.path.normpath(os.path.join(base, target))
+        full = os.path.abspath(path)
+        if full in self.loading:
+            chain = self.loading[self.loading.index(full):] + [full]
+            raise SxError("require cycle: " + " -> ".join(os.path.basename(p) for p in chain), loc)
+        if full in self.loaded:
+            return
+        if not os.path.isfile(path):
+            raise SxError(f"cannot require '{target}': no such file {path}", loc)
+        self.loaded.add(full)
+        self._eval_file(path)
+
+    def gensym(self, prefix: Any = "g") -> Symbol:
+        """A fresh symbol, `g#1`: numbered per session, and `#` keeps it apart from ordinary names."""
+        name = prefix.name if isinstance(prefix, Symbol) else str(prefix)
+        return Symbol(f"{name}#{next(self._gensym_counter)}")
+
+    # -- macros --
+
+    def macro_of(self, form: Any, scope: Scope | None = None) -> Macro | None:
+        """The macro `form` uses, if its head names one (and no local shadows it)."""
+        if form.__class__ is SxList and form and form[0].__class__ is Symbol:
+            name = form[0].name
+            if scope is not None and scope.lookup(name) is not None:
+                return None
+            value = self.globals.get(name)
+            if isinstance(value, Macro):
+                return value
+        return None
+
+    def expand_1(self, macro: Macro, form: SxList, loc: Location | None) -> Any:
+        """One expansion of a macro use; lists the expansion builds are located at the use."""
+        expansion = invoke(macro.fn, list(form[1:]), loc)
+        if loc is not None:
+            _stamp(expansion, loc)
+        return expansion
+
+    def macroexpand(self, form: Any, loc: Location | None, once: bool = False) -> Any:
+        while True:
+            macro = self.macro_of(form)
+            if macro is None:
+                return form
+            form = self.expand_1(macro, form, getattr(form, "loc", None) or loc)
+            if once:
+                return form
+
+    def expand_all(self, form: Any, loc: Location | None) -> Any:
+        """`form` with every macro use expanded (for the `macro-expand` pass); quoted data untouched."""
+        form = self.macroexpand(form, loc)
+        if form.__class__ is SxList and form:
+            head = form[0]
+            if head.__class__ is Symbol and head.name == QUOTE:
+                return form
+            items = [self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)]
+            return SxList(items, form.loc, form.locs)
+        if isinstance(form, (SxVector, SxMap)):
+            items = [self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)]
+            return form.__class__(items, form.loc, form.locs)
+        return form
+
+    # -- analysis --
+
+    def analyze(self, form: Any, scope: Scope, loc: Location | None) -> Callable[[list], Any]:
+        """The node computing `form` in `scope`; `loc` locates `form` when it is an atom."""
+        cls = form.__class__
+        if cls is Symbol:
+            return self._analyze_symbol(form, scope)
+        if cls is SxList:
+            if not form:
+                return _constant(None)
+            return self._analyze_list(form, scope)
+        if cls is SxVector:
+            nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
+            return lambda f: SxVector([n(f) for n in nodes])
+        if cls is SxMap:
+            nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
+            pairs = list(zip(nodes[0::2], nodes[1::2]))
+            return lambda f: {k(f): v(f) for k, v in pairs}
+        return _constant(form)
+
+    def _analyze_symbol(self, sym: Symbol, scope: Scope) -> Callable[[list], Any]:
+        name = sym.name
+        address = scope.lookup(name)
+        if address is not None:
+            return _local_ref(*address)
+        if _is_special(name):
+            raise SxError(f"'{name}' is a special form, not a value", sym.loc)
+        g = self.globals
+        loc = sym.loc
+
+        def global_ref(f: list) -> Any:
+            try:
+                return g[name]
+            except KeyError:
+                raise self.unbound(name, loc, scope) from None
+
+        return global_ref
+
+    def unbound(self, name: str, loc: Location | None, scope: Scope) -> SxError:
+        hint = nearest(name, scope.all_names() | set(self.globals) | set(_CORE_FORMS) | set(SPECIAL_FORMS))
+        return SxError(f"unbound symbol '{name}'" + (f"; did you mean '{hint}'?" if hint else ""), loc)
+
+    def _analyze_list(self, form: SxList, scope: Scope) -> Callable[[list], Any]:
+        head = form[0]
+        loc = form.loc
+        if head.__class__ is Symbol and scope.lookup(head.name) is None:
+            name = head.name
+            core = _CORE_FORMS.get(name)
+            if core is not None:
+                return core(self, form, scope, loc)
+            special = SPECIAL_FORMS.get(name)
+            if special is not None:
+                return self._analyze_registered(special, form, scope)
+            macro = self.macro_of(form, scope)
+            if macro is not None:
+                return self.analyze(self.expand_1(macro, form, loc), scope, loc)
+        fnode = self.analyze(head, scope, element_loc(form, 0))
+        args = [self.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
+        return _call_node(fnode, args, loc)
+
+    def _analyze_registered(self, special: Callable, form: SxList, scope: Scope) -> Callable[[list], Any]:
+        args = list(form[1:])
+        loc = form.loc
+
+        def node(f: list) -> Any:
+            return special(Env(self, scope, f, form), args, loc)
+
+        return node
+
+    def analyze_body(self, forms: list, scope: Scope, owner: Any, start: int) -> Callable[[list], Any]:
+        """Nodes for `owner[start:]` run in order; the value of the last (nil if none)."""
+        nodes = [self.analyze(owner[i], scope, element_loc(owner, i)) for i in range(start, len(owner))]
+        return _sequence(nodes)
+
+    def analyze_function(self, name: str | None, params: Any, owner: SxList, start: int, scope: Scope,
+                         loc: Location | None) -> Callable[[list], Closure]:  # fmt: skip
+        """A node making a closure from an argument list and the body `owner[start:]`."""
+        spec = parse_params(params, loc, f"'{name}'" if name else "fn")
+        inner = scope.function()
+        for arg in spec.names:
+            inner.bind(arg)
+        # Key defaults see the arguments before them (bound above, filled in order).
+        default_nodes = [
+            self.analyze(d, inner, loc) if d is not _MISSING else None for d in spec.defaults
+        ]
+        body = self.analyze_body(owner, inner, owner, start)
+        info = inner.frame
+
+        def make(f: list) -> Closure:
+            return Closure(name, spec, f, body, info.size, default_nodes)
+
+        return make
+
+
+def _constant(value: Any) -> Callable[[list], Any]:
+    return lambda f: value
+
+
+def _local_ref(depth: int, slot: int) -> Callable[[list], Any]:
+    if depth == 0:
+        return lambda f: f[slot]
+    if depth == 1:
+        return lambda f: f[0][slot]
+    if depth == 2:
+        return lambda f: f[0][0][slot]
+
+    def ref(f: list) -> Any:
+        for _ in range(depth):
+            f = f[0]
+        return f[slot]
+
+    return ref
+
+
+def _sequence(nodes: list) -> Callable[[list], Any]:
+    if not nodes:
+        return _constant(None)
+    if len(nodes) == 1:
+        return nodes[0]
+    init, last = nodes[:-1], nodes[-1]
+
+    def seq(f: list) -> Any:
+        for n in init:
+            n(f)
+        return last(f)
+
+    return seq
+
+
+def _call_node(fnode: Callable, args: list, loc: Location | None) -> Callable[[list], Any]:
+    # Specialised by argument count: building the argument list is most of a call's cost.
+    if len(args) == 1:
+        (a,) = args
+        return lambda f: invoke(fnode(f), [a(f)], loc)
+    if len(args) == 2:
+        a, b = args
+        return lambda f: invoke(fnode(f), [a(f), b(f)], loc)
+    if len(args) == 3:
+        a, b, c = args
+        return lambda f: invoke(fnode(f), [a(f), b(f), c(f)], loc)
+    return lambda f: invoke(fnode(f), [n(f) for n in args], loc)
+
+
+def truthy(value: Any) -> bool:
+    """nil, false and the empty list are false; everything else (0, "", []) is true."""
+    return not (value is None or value is False or (value.__class__ is SxList and not value))
+
+
+def _stamp(form: Any, loc: Location) -> None:
+    """Give the lists a macro built (which have no location) the location of the macro's use."""
+    if isinstance(form, (SxList, SxVector, SxMap)):
+        if form.loc is None:
+            form.loc = loc
+            for x in form:
+                _stamp(x, loc)
+
+
+def run_deep(body: Callable[[], Any]) -> Any:
+    """Run `body` where deep recursion of analysed code fits (a thread with a large stack)."""
+    if getattr(_deep, "active", False):
+        return body()
+    result: list = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        _deep.active = True
+        try:
+            result.append(body())
+        except BaseException as e:  # handed to the calling thread as is
+            error.append(e)
+
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old_limit, _PYTHON_RECURSION_LIMIT))
+    old_size = threading.stack_size()
+    threading.stack_size(_THREAD_STACK_BYTES)
+    try:
+        thread = threading.Thread(target=target, name="sx-eval")
+        thread.start()
+    finally:
+        threading.stack_size(old_size)
+    thread.join()
+    sys.setrecursionlimit(old_limit)
+    if error:
+        raise error[0]
+    return result[0]
+
+
+_deep = threading.local()
+
+
+# -- special forms ----------------------------------------------------------------------------
+
+
+def _expect(cond: bool, message: str, loc: Location | None) -> None:
+    if not cond:
+        raise SxError(message, loc)
+
+
+def _arity(form: SxList, low: int, high: int | None, usage: str) -> None:
+    n = len(form) - 1
+    if n < low or (high is not None and n > high):
+        raise SxError(f"'{form[0].name}' expects {usage}, got {_count(n, 'form')}", form.loc)
+
+
+@_core(QUOTE)
+def _quote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 1, 1, "one form: (quote x)")
+    return _constant(form[1])
+
+
+@_core(QUASIQUOTE)
+def _quasiquote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 1, 1, "one form: `x")
+    return _template(ev, form[1], scope, 1, element_loc(form, 1))
+
+
+def _template(ev: Evaluator, form: Any, scope: Scope, depth: int, loc: Location | None):
+    """A node building the quasiquoted `form` at nesting `depth` (1 = unquotes are evaluated)."""
+    cls = form.__class__
+    if cls is SxList and form and form[0].__class__ is Symbol:
+        head = form[0].name
+        if head == UNQUOTE or head == UNQUOTE_SPLICING:
+            _arity(form, 1, 1, f"one form: ({head} x)")
+            if head == UNQUOTE_SPLICING and depth == 1:
+                raise SxError("',@' is only allowed inside a list or vector", form.loc)
+            if depth == 1:
+                return ev.analyze(form[1], scope, element_loc(form, 1))
+            inner = _template(ev, form[1], scope, depth - 1, element_loc(form, 1))
+            sym = form[0]
+            return lambda f: SxList([sym, inner(f)])
+        if head == QUASIQUOTE:
+            _arity(form, 1, 1, "one form: `x")
+            inner = _template(ev, form[1], scope, depth + 1, element_loc(form, 1))
+            sym = form[0]
+            return lambda f: SxList([sym, inner(f)])
+    if cls in (SxList, SxVector, SxMap) and form:
+        parts = []  # (splice?, node)
+        for i, item in enumerate(form):
+            item_loc = element_loc(form, i)
+            if (
+                item.__class__ is SxList and len(item) == 2 and item[0].__class__ is Symbol
+                and item[0].name == UNQUOTE_SPLICING and depth == 1
+            ):  # fmt: skip
+                parts.append((True, ev.analyze(item[1], scope, element_loc(item, 1)), item.loc))
+            else:
+                parts.append((False, _template(ev, item, scope, depth, item_loc), item_loc))
+
+        def build(f: list) -> Any:
+            items: list = []
+            for splice, node, where in parts:
+                if splice:
+                    value = node(f)
+                    if value is None:
+                        continue
+                    if not isinstance(value, list):
+                        raise SxError(f"',@' needs a list to splice, got {show(value)}", where)
+                    items.extend(value)
+                else:
+                    items.append(node(f))
+            return cls(items)
+
+        return build
+    return _constant(form)
+
+
+@_core("if")
+def _if(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 2, 3, "(if test then [else])")
+    test, then = ev.analyze(form[1], scope, element_loc(form, 1)), ev.analyze(form[2], scope, element_loc(form, 2))
+    other = ev.analyze(form[3], scope, element_loc(form, 3)) if len(form) > 3 else _constant(None)
+
+    def node(f: list) -> Any:
+        v = test(f)
+        if v is None or v is False or (v.__class__ is SxList and not v):
+            return other(f)
+        return then(f)
+
+    return node
+
+
+def _when_unless(negate: bool):
+    def analyse(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+        _arity(form, 1, None, f"({form[0].name} test body…)")
+        test = ev.analyze(form[1], scope, element_loc(form, 1))
+        body = ev.analyze_body(form, scope, form, 2)
+
+        def node(f: list) -> Any:
+            return body(f) if truthy(test(f)) != negate else None
+
+        return node
+
+    return analyse
+
+
+_CORE_FORMS["when"] = _when_unless(False)
+_CORE_FORMS["unless"] = _when_unless(True)
+
+
+@_core("cond")
+def _cond(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    clauses = []
+    for i, clause in enumerate(form[1:], 1):
+        where = element_loc(form, i)
+        _expect(
+            isinstance(clause, SxList) and len(clause) >= 1,
+            f"cond: each clause is (test body…), got {show(clause)}",
+            where,
+        )
+        test = clause[0]
+        is_else = test.__class__ is Keyword and test.name == "else" or test is True
+        test_node = ev.analyze(test, scope, element_loc(clause, 0))
+        clauses.append((is_else, test_node, ev.analyze_body(clause, scope, clause, 1) if len(clause) > 1 else None))
+
+    def node(f: list) -> Any:
+        for is_else, test, body in clauses:
+            value = True if is_else else test(f)
+            if truthy(value):
+                return body(f) if body is not None else value
+        return None
+
+    return node
+
+
+@_core("do")
+def _do(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    return ev.analyze_body(form, scope, form, 1)
+
+
+def _bindings(form: SxList) -> list[tuple[Symbol, Any, Location | None]]:
+    _arity(form, 1, None, f"({form[0].name} ((name value) …) body…)")
+    bindings = form[1]
+    where = element_loc(form, 1)
+    _expect(
+        bindings is None or isinstance(bindings, SxList),
+        f"{form[0].name}: bindings are a list of (name value), got {show(bindings)}",
+        where,
+    )
+    out = []
+    for i, b in enumerate(bindings or ()):
+        bloc = element_loc(bindings, i)
+        _expect(
+            isinstance(b, SxList) and len(b) == 2 and isinstance(b[0], Symbol),
+            f"{form[0].name}: each binding is (name value), got {show(b)}",
+            bloc,
+        )
+        out.append((b[0], b[1], element_loc(b, 1)))
+    return out
+
+
+def _let_node(slots: list[int], values: list, body: Callable) -> Callable[[list], Any]:
+    pairs = list(zip(slots, values))
+
+    def node(f: list) -> Any:
+        computed = [v(f) for _, v in pairs]
+        for (slot, _), value in zip(pairs, computed):
+            f[slot] = value
+        return body(f)
+
+    return node
+
+
+@_core("let")
+def _let(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    bindings = _bindings(form)
+    values = [ev.analyze(value, scope, where) for _, value, where in bindings]
+    inner = scope.child()
+    slots = [inner.bind(sym.name) for sym, _, _ in bindings]
+    return _let_node(slots, values, ev.analyze_body(form, inner, form, 2))
+
+
+@_core("let*")
+def _let_star(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    inner = scope
+    slots, values = [], []
+    for sym, value, where in _bindings(form):
+        values.append(ev.analyze(value, inner, where))
+        inner = inner.child()
+        slots.append(inner.bind(sym.name))
+    body = ev.analyze_body(form, inner, form, 2)
+    pairs = list(zip(slots, values))
+
+    def node(f: list) -> Any:
+        for slot, value in pairs:
+            f[slot] = value(f)
+        return body(f)
+
+    return node
+
+
+@_core("fn")
+def _fn(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 1, None, "(fn (args…) body…)")
+    return ev.analyze_function(None, form[1], form, 2, scope, loc)
+
+
+def _name_of(form: SxList, what: str) -> Symbol:
+    _expect(
+        len(form) > 1 and isinstance(form[1], Symbol),
+        f"'{form[0].name}' expects a name first: {what}",
+        element_loc(form, 1) if len(form) > 1 else form.loc,
+    )
+    return form[1]
+
+
+@_core("def")
+def _def(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    name = _name_of(form, "(def name value)").name
+    _arity(form, 2, 2, "(def name value)")
+    value_node = ev.analyze(form[2], scope, element_loc(form, 2))
+    g = ev.globals
+
+    def node(f: list) -> Defined:
+        value = value_node(f)
+        if isinstance(value, Closure) and value.name is None:
+            value.name = name
+        g[name] = value
+        return Defined(name, value)
+
+    return node
+
+
+def _body_start(form: SxList) -> int:
+    """Where a defn/defmacro body starts: after an optional docstring."""
+    return 4 if len(form) > 4 and isinstance(form[3], str) else 3
+
+
+@_core("defn")
+def _defn(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    name = _name_of(form, "(defn name (args…) body…)").name
+    _arity(form, 2, None, "(defn name (args…) body…)")
+    g = ev.globals
+    # Bound before the body is analysed is not needed: globals resolve at run time.
+    make = ev.analyze_function(name, form[2], form, _body_start(form), scope, loc)
+
+    def node(f: list) -> Defined:
+        g[name] = fn = make(f)
+        return Defined(name, fn)
+
+    return node
+
+
+@_core("defmacro")
+def _defmacro(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    name = _name_of(form, "(defmacro name (args…) body…)").name
+    _arity(form, 2, None, "(defmacro name (args…) body…)")
+    make = ev.analyze_function(name, form[2], form, _body_start(form), scope, loc)
+    g = ev.globals
+
+    def node(f: list) -> Defined:
+        g[name] = macro = Macro(name, make(f))
+        return Defined(name, macro)
+
+    return node
+
+
+def _and_or(is_and: bool):
+    def analyse(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+        nodes = [ev.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
+
+        def node(f: list) -> Any:
+            value: Any = is_and
+            for n in nodes:
+                value = n(f)
+                if truthy(value) != is_and:
+                    return value
+            return value
+
+        return node
+
+    return analyse
+
+
+_CORE_FORMS["and"] = _and_or(True)
+_CORE_FORMS["or"] = _and_or(False)
+
+
+@_core("set!")
+def _set(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    sym = _name_of(form, "(set! name value)")
+    _arity(form, 2, 2, "(set! name value)")
+    value_node = ev.analyze(form[2], scope, element_loc(form, 2))
+    address = scope.lookup(sym.name)
+    if address is not None:
+        depth, slot = address
+
+        def set_local(f: list) -> Any:
+            value = value_node(f)
+            target = f
+            for _ in range(depth):
+                target = target[0]
+            target[slot] = value
+            return value
+
+        return set_local
+    g, name = ev.globals, sym.name
+
+    def set_global(f: list) -> Any:
+        if name not in g:
+            raise ev.unbound(name, sym.loc, scope)
+        g[name] = value = value_node(f)
+        return value
+
+    return set_global
+
+
+@_core("require")
+def _require(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 1, 1, '(require "path.sx")')
+    path_node = ev.analyze(form[1], scope, element_loc(form, 1))
+
+    def node(f: list) -> None:
+        target = path_node(f)
+        if not isinstance(target, str):
+            raise SxError(f"require expects a path string, got {show(target)}", element_loc(form, 1))
+        ev.require(target, loc)
+        return None
+
+    return node
+
+
+@_core("assert")
+def _assert(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
+    _arity(form, 1, 2, '(assert test ["message"])')
+    test = ev.analyze(form[1], scope, element_loc(form, 1))
+    message = ev.analyze(form[2], scope, element_loc(form, 2)) if len(form) > 2 else None
+    text = show(form[1])
+
+    def node(f: list) -> None:
+        if not truthy(test(f)):
+            detail = message(f) if message is not None else text
+            raise SxError(f"assertion failed: {detail if isinstance(detail, str) else show(detail)}", loc)
+        return None
+
+    return node
+
+
+from .printing import show  # noqa: E402  (printing imports this module's value classes)
