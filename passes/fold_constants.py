@@ -1,0 +1,152 @@
+"""`fold-constants`: folds the input-independent arithmetic of the update and clip graphs.
+
+In every `graph.func` of kind "update" or "clip", an op whose operands are all
+splat `graph.const`s is replaced by one splat `graph.const` of its result
+type, repeatedly in block order (so whole constant subexpressions collapse),
+and constants left unused are erased. Folded ops: unary and binary
+arithmetic, `sum`/`max`/`min` reductions, and the shape ops that keep a splat
+a splat (broadcast, reshape, transpose, squeeze, expand_dims, slice). A fold
+whose result is not finite, or not a float, is left alone.
+
+Folding evaluates in float64 and stores the value to 15 significant digits
+(far below f32 and bf16 resolution), so the value is rounded once to the
+tensor's dtype when the graph runs -- as torch.optim treats Python-float
+hyperparameters -- and `1 - 0.9` reads `0.1`.
+
+Then each exp.group gets `constants = [sorted unique float values of the
+const ops in its update graphs and the clip graphs covering it]`, the list
+`explain` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+from attrs import define
+from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from sexpgpu.diagnostics import SxError
+
+FOLDED_KINDS = ("update", "clip")
+
+UNARY: dict[str, Callable[[float], float]] = {
+    "graph.neg": lambda x: -x,
+    "graph.exp": math.exp,
+    "graph.log": math.log,
+    "graph.sqrt": math.sqrt,
+    "graph.rsqrt": lambda x: 1.0 / math.sqrt(x),
+    "graph.tanh": math.tanh,
+    "graph.erf": math.erf,
+    "graph.abs": abs,
+    "graph.recip": lambda x: 1.0 / x,
+    "graph.sin": math.sin,
+    "graph.cos": math.cos,
+}
+BINARY: dict[str, Callable[[float, float], float]] = {
+    "graph.add": lambda a, b: a + b,
+    "graph.sub": lambda a, b: a - b,
+    "graph.mul": lambda a, b: a * b,
+    "graph.div": lambda a, b: a / b,
+    "graph.pow": lambda a, b: a**b,
+    "graph.maximum": max,
+    "graph.minimum": min,
+}
+SPLAT_SHAPE_OPS = (
+    "graph.broadcast",
+    "graph.reshape",
+    "graph.transpose",
+    "graph.squeeze",
+    "graph.expand_dims",
+    "graph.slice",
+)
+
+
+def splat_value(op: Operation | None) -> float | None:
+    """The value of a splat `graph.const`, else None."""
+    if op is None or op.name != "graph.const":
+        return None
+    value = op.attributes["value"]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def fold_value(op: Operation, operands: list[float]) -> float | None:
+    """The splat value of `op` applied to splat operands, or None when it does not fold."""
+    try:
+        if op.name in UNARY:
+            result = UNARY[op.name](*operands)
+        elif op.name in BINARY:
+            result = BINARY[op.name](*operands)
+        elif op.name in SPLAT_SHAPE_OPS:
+            result = operands[0]
+        elif op.name == "graph.sum":
+            x = op.operands[0].type
+            result = operands[0] * float(np.prod([x.shape[a] for a in op.attributes["axes"]]))
+        elif op.name in ("graph.max", "graph.min"):
+            result = operands[0]
+        else:
+            return None
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    if not isinstance(result, float) or not math.isfinite(result):
+        return None
+    return float(f"{result:.15g}")
+
+
+def fold_graph(func: Operation) -> int:
+    """Fold the constant subexpressions of one graph; returns the number of ops folded."""
+    folded = 0
+    for op in list(func.body.ops):
+        if not op.operands or len(op.results) != 1 or op.result.type.dtype not in FLOAT_DTYPES:
+            continue
+        values = [splat_value(v.op) for v in op.operands]
+        if any(v is None for v in values):
+            continue
+        result = fold_value(op, values)  # type: ignore[arg-type]
+        if result is None:
+            continue
+        const = Builder(func.body, anchor=op).create(
+            "graph.const", (), {"value": result}, result_types=[op.result.type], loc=op.loc
+        )
+        op.result.replace_all_uses_with(const.result)
+        inputs = [v.op for v in op.operands]
+        op.erase()
+        for producer in inputs:
+            if producer is not None and producer.parent is not None and not producer.result.has_uses:
+                producer.erase()
+        folded += 1
+    return folded
+
+
+@define
+class FoldConstants(Pass):
+    """Folds constant subexpressions of update/clip graphs to splat consts; sets `constants` on exp.group.
+
+    Guarantees: no op in those graphs has only splat-constant operands unless
+    its fold is not finite; every graph computes the same values.
+    """
+
+    name = "fold-constants"
+    summary = "fold input-independent arithmetic of update graphs; list each group's constants"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = unit.module
+        if module is None:
+            raise SxError("fold-constants needs IR: run 'evaluate' first on a .sx file")
+        constants: dict[str, set[float]] = {}
+        for func in module.body.ops:
+            if func.name != "graph.func" or func.attributes.get("kind") not in FOLDED_KINDS:
+                continue
+            fold_graph(func)
+            owners = func.attributes.get("groups") or [func.attributes.get("group")]
+            values = {v for op in func.body.ops if (v := splat_value(op)) is not None}
+            for owner in owners:
+                constants.setdefault(owner, set()).update(values)
+        for group in module.body.ops:
+            if group.name == "exp.group":
+                group.attributes["constants"] = sorted(constants.get(group.attributes["name"], ()))
+
+
+register_pass(FoldConstants)
