@@ -52,6 +52,8 @@ from .reader import read_file
 MAX_CALL_DEPTH = 10_000
 #: Python frames the analysed code may use: a few per .sx call, with room to spare.
 _PYTHON_RECURSION_LIMIT = MAX_CALL_DEPTH * 12 + 10_000
+#: "called from" lines an error keeps.
+_MAX_TRAIL = 20
 #: Stack of the evaluation thread: enough for `_PYTHON_RECURSION_LIMIT` frames.
 _THREAD_STACK_BYTES = 1024 * 1024 * 1024
 
@@ -382,12 +384,31 @@ def register_special_form(name: str, fn: Callable[[Env, list, Location | None], 
     SPECIAL_FORMS[name] = fn
 
 
+#: Functions run on every new `Evaluator` (e.g. to load the prelude, add session builtins).
+SESSION_HOOKS: list[Callable[[Evaluator], None]] = []
+
+
 def _core(name: str) -> Callable[[Callable], Callable]:
     def register(fn: Callable) -> Callable:
         _CORE_FORMS[name] = fn
         return fn
 
     return register
+
+
+def eval_file_lines(path: str, variant: str | None = None, sets: list[str] | None = None,
+                    on_line: Callable[[str], None] | None = None) -> list[str]:  # fmt: skip
+    """What `sexpgpu eval` prints for `path`: one line per top-level form."""
+    lines: list[str] = []
+
+    def emit(form: Any, value: Any) -> None:
+        line = show(value)
+        lines.append(line)
+        if on_line is not None:
+            on_line(line)
+
+    Evaluator(variant=variant, sets=sets).eval_file(path, emit)
+    return lines
 
 
 # -- call stack -------------------------------------------------------------------------------
@@ -428,8 +449,10 @@ def invoke(fn: Any, args: list, loc: Location | None) -> Any:
         try:
             return fn.body(frame)
         except SxError as e:
-            if loc is not None and len(e.trail) < 50:
-                e.trail.append(loc)
+            # A deep recursion repeats one call site: keep each run of them once.
+            trail = e.trail
+            if loc is not None and (not trail or trail[-1] != loc) and len(trail) < _MAX_TRAIL:
+                trail.append(loc)
             raise
         finally:
             calls.pop()
@@ -544,7 +567,12 @@ def _is_special(name: str) -> bool:
 class Evaluator:
     """A session: one global environment, the files it required, the library files."""
 
-    def __init__(self, extra_builtins: dict[str, Builtin] | None = None) -> None:
+    def __init__(
+        self,
+        extra_builtins: dict[str, Builtin] | None = None,
+        variant: str | None = None,
+        sets: list[str] | None = None,
+    ) -> None:
         from . import builtins as _library  # noqa: F401  (registers the standard builtins)
 
         self.globals: dict[str, Any] = {name: Symbol(name) for name in SELF_EVALUATING_NAMES}
@@ -562,12 +590,23 @@ class Evaluator:
             Builtin("macroexpand", lambda loc, form: self.macroexpand(form, loc), wants_loc=True),
         ):
             self.globals[b.name] = b
+        #: The selection the command line asked for, for the layers that define knobs.
+        self.variant = variant
+        self.sets = list(sets or [])
+        for hook in SESSION_HOOKS:
+            hook(self)
 
     # -- entry points --
 
-    def eval_file(self, path: str) -> list[tuple[Any, Any]]:
-        """Evaluate every top-level form of `path`; (form, value) for each."""
-        return run_deep(lambda: self._eval_file(path))
+    def eval_file(
+        self, path: str, on_result: Callable[[Any, Any], None] | None = None
+    ) -> list[tuple[Any, Any]]:
+        """Evaluate every top-level form of `path`; (form, value) for each.
+
+        `on_result(form, value)` is called as each form finishes (so `eval` prints
+        the values before an error in a later form).
+        """
+        return run_deep(lambda: self._eval_file(path, on_result))
 
     def eval_text(self, text: str, file: str = "<string>") -> list[Any]:
         """Evaluate every top-level form of `text`; the value of each."""
@@ -588,13 +627,19 @@ class Evaluator:
         node = self.analyze(form, scope, loc)
         return node([None] * scope.frame.size)
 
-    def _eval_file(self, path: str) -> list[tuple[Any, Any]]:
+    def _eval_file(self, path: str, on_result: Callable[[Any, Any], None] | None = None) -> list[tuple[Any, Any]]:
         forms = read_file(path)
         self.loading.append(os.path.abspath(path))
+        results = []
         try:
-            return [(f, self.eval_toplevel(f, loc)) for f, loc in zip(forms, forms.locs)]
+            for form, loc in zip(forms, forms.locs):
+                value = self.eval_toplevel(form, loc)
+                results.append((form, value))
+                if on_result is not None:
+                    on_result(form, value)
         finally:
             self.loading.pop()
+        return results
 
     def require(self, target: str, loc: Location | None) -> None:
         """Evaluate the file `target` (relative to the requiring file) unless done already."""
@@ -650,7 +695,8 @@ class Evaluator:
         form = self.macroexpand(form, loc)
         if form.__class__ is SxList and form:
             head = form[0]
-            if head.__class__ is Symbol and head.name == QUOTE:
+            if head.__class__ is Symbol and head.name in (QUOTE, QUASIQUOTE):
+                # Templates expand after substitution, when the macro's result is expanded.
                 return form
             items = [self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)]
             return SxList(items, form.loc, form.locs)
