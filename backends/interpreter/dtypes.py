@@ -1,0 +1,51 @@
+"""How the interpreter stores and computes each IR dtype.
+
+Every value is stored in the numpy dtype of its IR dtype (bf16 through
+ml_dtypes). Arithmetic on bf16 and f16 runs in float32 and rounds the result
+once per op, as a GPU kernel does; f32 runs in float32 (float32 BLAS for
+matmul). In float64 mode every float dtype is stored and computed in float64,
+so finite differences are precise.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from sexpgpu.dialects.core import FLOAT_DTYPES
+
+_STORAGE = {
+    "f32": np.dtype(np.float32),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f16": np.dtype(np.float16),
+    "i32": np.dtype(np.int32),
+    "i64": np.dtype(np.int64),
+    "i1": np.dtype(np.bool_),
+}
+
+#: Values for `compile_graph(..., float_mode=...)`.
+FLOAT_MODES = ("native", "f64")
+
+
+class DtypePolicy:
+    """Maps IR dtypes to numpy storage and compute dtypes under one float mode."""
+
+    def __init__(self, float_mode: str = "native") -> None:
+        if float_mode not in FLOAT_MODES:
+            raise ValueError(f"float_mode must be one of {', '.join(FLOAT_MODES)}, not {float_mode!r}")
+        self.float_mode = float_mode
+
+    def storage(self, dtype: str) -> np.dtype:
+        if self.float_mode == "f64" and dtype in FLOAT_DTYPES:
+            return np.dtype(np.float64)
+        return _STORAGE[dtype]
+
+    def compute(self, dtype: str) -> np.dtype:
+        """The dtype arithmetic runs in: float32 for the 16-bit floats, else the storage dtype."""
+        storage = self.storage(dtype)
+        if storage.itemsize == 2 and dtype in FLOAT_DTYPES:
+            return np.dtype(np.float32)
+        return storage
+
+    def rounds(self, dtype: str) -> bool:
+        """Whether results of this dtype are computed wider and rounded to storage."""
+        return self.compute(dtype) != self.storage(dtype)

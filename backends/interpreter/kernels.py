@@ -1,0 +1,322 @@
+"""numpy kernels for every graph op, built once per op when a graph is compiled.
+
+A builder turns one op into a `Kernel`: a function of the operand arrays
+returning the result array in the result's storage dtype, and whether it also
+takes `out=` (then the compiler may hand it a reused buffer). Semantics follow
+the op docstrings in `sexpgpu.dialects.graph`; the choices they leave open are
+documented here and in docs/interpreter.md:
+
+- integer `div` truncates toward zero (as C and CUDA do);
+- `abs` and `neg` accept integers; every other unary op needs a float;
+- a 16-bit float op computes in float32 and rounds its result once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from attrs import frozen
+from sexpgpu.backends.interpreter.dtypes import DtypePolicy
+from sexpgpu.backends.interpreter.erf import erf
+from sexpgpu.dialects.core import Operation
+
+
+@frozen
+class Kernel:
+    """What one op computes: `fn(*operands)`, or `fn(*operands, out=buffer)` when `takes_out`."""
+
+    fn: Callable[..., Any]
+    takes_out: bool = False
+
+
+Builder = Callable[[Operation, DtypePolicy], Kernel]
+BUILDERS: dict[str, Builder] = {}
+
+
+def kernel_for(op: Operation, policy: DtypePolicy) -> Kernel:
+    builder = BUILDERS.get(op.name)
+    if builder is None:
+        raise NotImplementedError(f"the interpreter cannot run '{op.name}'")
+    return builder(op, policy)
+
+
+def _builds(*names: str) -> Callable[[Builder], Builder]:
+    def register(builder: Builder) -> Builder:
+        for name in names:
+            BUILDERS[name] = builder
+        return builder
+
+    return register
+
+
+def _rounded(fn: Callable[..., Any], compute: np.dtype, storage: np.dtype) -> Callable[..., Any]:
+    """`fn` run on float operands widened to `compute`, its result rounded to `storage`."""
+
+    def run(*xs: Any) -> Any:
+        return np.asarray(fn(*(_widen16(x, compute) for x in xs))).astype(storage)
+
+    return run
+
+
+def _widen16(x: Any, compute: np.dtype) -> Any:
+    """Widen a 16-bit float array (numpy f16 or ml_dtypes bf16) to the compute dtype; others pass."""
+    dtype = np.asarray(x).dtype
+    if dtype.itemsize == 2 and dtype.kind not in "iub":
+        return np.asarray(x).astype(compute)
+    return x
+
+
+def _arith(op: Operation, policy: DtypePolicy, fn: Callable[..., Any], takes_out: bool, dtype: str) -> Kernel:
+    """A kernel computing in `dtype`'s compute dtype, storing the op's result dtype."""
+    storage = policy.storage(op.results[0].type.dtype)
+    compute = policy.compute(dtype)
+    if compute != policy.storage(dtype):
+        return Kernel(_rounded(fn, compute, storage))
+    return Kernel(fn, takes_out)
+
+
+# -- unary, binary, compare, select -------------------------------------------------------------
+
+
+def _rsqrt(x: Any, out: Any = None) -> Any:
+    root = np.sqrt(x, out=out)
+    return np.divide(1, root, out=root if out is not None else None)
+
+
+def _erf(x: Any) -> Any:
+    return erf(x).astype(np.asarray(x).dtype)
+
+
+_UNARY: dict[str, tuple[Callable[..., Any], bool]] = {
+    "graph.neg": (np.negative, True),
+    "graph.exp": (np.exp, True),
+    "graph.log": (np.log, True),
+    "graph.sqrt": (np.sqrt, True),
+    "graph.rsqrt": (_rsqrt, True),
+    "graph.tanh": (np.tanh, True),
+    "graph.erf": (_erf, False),
+    "graph.abs": (np.abs, True),
+    "graph.recip": (np.reciprocal, True),
+    "graph.sin": (np.sin, True),
+    "graph.cos": (np.cos, True),
+}
+
+
+@_builds(*_UNARY)
+def _unary(op: Operation, policy: DtypePolicy) -> Kernel:
+    fn, takes_out = _UNARY[op.name]
+    return _arith(op, policy, fn, takes_out, op.operands[0].type.dtype)
+
+
+def _truncating_div(a: Any, b: Any) -> Any:
+    """Integer division rounding toward zero: a - fmod(a, b) is an exact multiple of b."""
+    return (a - np.fmod(a, b)) // b
+
+
+_BINARY: dict[str, Callable[..., Any]] = {
+    "graph.add": np.add,
+    "graph.sub": np.subtract,
+    "graph.mul": np.multiply,
+    "graph.div": np.divide,
+    "graph.pow": np.power,
+    "graph.maximum": np.maximum,
+    "graph.minimum": np.minimum,
+    "graph.eq": np.equal,
+    "graph.ne": np.not_equal,
+    "graph.lt": np.less,
+    "graph.le": np.less_equal,
+    "graph.gt": np.greater,
+    "graph.ge": np.greater_equal,
+}
+
+
+@_builds(*_BINARY)
+def _binary(op: Operation, policy: DtypePolicy) -> Kernel:
+    dtype = op.operands[0].type.dtype
+    if op.name == "graph.div" and policy.storage(dtype).kind in "iu":
+        return Kernel(_truncating_div)
+    return _arith(op, policy, _BINARY[op.name], True, dtype)
+
+
+@_builds("graph.where")
+def _where(op: Operation, policy: DtypePolicy) -> Kernel:
+    return Kernel(np.where)
+
+
+# -- reduce -------------------------------------------------------------------------------------
+
+_REDUCE = {"graph.sum": np.sum, "graph.max": np.max, "graph.min": np.min}
+
+
+@_builds(*_REDUCE)
+def _reduce(op: Operation, policy: DtypePolicy) -> Kernel:
+    reduce = _REDUCE[op.name]
+    axes = tuple(op.attributes["axes"])
+    keep = bool(op.attributes["keep"])
+    dtype = op.operands[0].type.dtype
+    # numpy would sum int32 into int64 and bools into ints: keep the operand's (compute) dtype.
+    accumulate = {"dtype": policy.compute(dtype)} if reduce is np.sum else {}
+
+    def fn(x: Any, out: Any = None) -> Any:
+        return reduce(x, axis=axes, keepdims=keep, out=out, **accumulate)
+
+    return _arith(op, policy, fn, True, dtype)
+
+
+# -- shape --------------------------------------------------------------------------------------
+
+
+@_builds("graph.reshape")
+def _reshape(op: Operation, policy: DtypePolicy) -> Kernel:
+    shape = tuple(op.attributes["shape"])
+    return Kernel(lambda x: np.reshape(x, shape))
+
+
+@_builds("graph.transpose")
+def _transpose(op: Operation, policy: DtypePolicy) -> Kernel:
+    perm = tuple(op.attributes["perm"])
+    return Kernel(lambda x: np.transpose(x, perm))
+
+
+@_builds("graph.broadcast")
+def _broadcast(op: Operation, policy: DtypePolicy) -> Kernel:
+    shape = tuple(op.attributes["shape"])
+    return Kernel(lambda x: np.broadcast_to(x, shape))
+
+
+def _axis_index(axis: int, index: Any) -> tuple[Any, ...]:
+    return (slice(None),) * axis + (index,)
+
+
+@_builds("graph.slice")
+def _slice(op: Operation, policy: DtypePolicy) -> Kernel:
+    index = _axis_index(op.attributes["axis"], slice(op.attributes["start"], op.attributes["end"]))
+    return Kernel(lambda x: np.asarray(x)[index])
+
+
+@_builds("graph.pad")
+def _pad(op: Operation, policy: DtypePolicy) -> Kernel:
+    result = op.results[0].type
+    storage = policy.storage(result.dtype)
+    before = op.attributes["before"]
+    index = _axis_index(op.attributes["axis"], slice(before, before + op.operands[0].type.shape[op.attributes["axis"]]))
+
+    def pad(x: Any) -> Any:
+        out = np.zeros(result.shape, storage)
+        out[index] = x
+        return out
+
+    return Kernel(pad)
+
+
+@_builds("graph.concat")
+def _concat(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return Kernel(lambda *xs: np.concatenate(xs, axis=axis))
+
+
+@_builds("graph.squeeze")
+def _squeeze(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return Kernel(lambda x: np.squeeze(x, axis))
+
+
+@_builds("graph.expand_dims")
+def _expand_dims(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return Kernel(lambda x: np.expand_dims(x, axis))
+
+
+# -- contract, index ----------------------------------------------------------------------------
+
+
+@_builds("graph.matmul")
+def _matmul(op: Operation, policy: DtypePolicy) -> Kernel:
+    return _arith(op, policy, np.matmul, True, op.operands[0].type.dtype)
+
+
+@_builds("graph.take")
+def _take(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return Kernel(lambda x, idx: np.take(x, idx, axis=axis))
+
+
+@_builds("graph.take_along")
+def _take_along(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return Kernel(lambda x, idx: np.take_along_axis(x, idx, axis=axis))
+
+
+def _accumulating(op: Operation, policy: DtypePolicy, place: Callable[[Any, Any, Any], None]) -> Kernel:
+    """Zeros of the result type with the updates added at the indices, summed in the compute dtype."""
+    result = op.results[0].type
+    storage = policy.storage(result.dtype)
+    compute = policy.compute(result.dtype)
+
+    def scatter(idx: Any, updates: Any) -> Any:
+        acc = np.zeros(result.shape, compute)
+        place(acc, idx, _widen16(updates, compute))
+        return acc if compute == storage else acc.astype(storage)
+
+    return Kernel(scatter)
+
+
+@_builds("graph.scatter_add")
+def _scatter_add(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    return _accumulating(op, policy, lambda acc, idx, upd: np.add.at(acc, _axis_index(axis, idx), upd))
+
+
+@_builds("graph.scatter_add_along")
+def _scatter_add_along(op: Operation, policy: DtypePolicy) -> Kernel:
+    axis = op.attributes["axis"]
+    shape = op.operands[0].type.shape
+    # Every axis but `axis` is indexed by its own position, as take_along_axis reads it.
+    grid = list(np.indices(shape, sparse=True))
+
+    def place(acc: Any, idx: Any, upd: Any) -> None:
+        index = list(grid)
+        index[axis] = idx
+        np.add.at(acc, tuple(index), upd)
+
+    return _accumulating(op, policy, place)
+
+
+@_builds("graph.one_hot")
+def _one_hot(op: Operation, policy: DtypePolicy) -> Kernel:
+    classes = np.arange(op.attributes["n"])
+    storage = policy.storage(op.results[0].type.dtype)
+    return Kernel(lambda idx: (np.expand_dims(idx, -1) == classes).astype(storage))
+
+
+@_builds("graph.cast")
+def _cast(op: Operation, policy: DtypePolicy) -> Kernel:
+    source = op.operands[0].type.dtype
+    target = op.attributes["dtype"]
+    storage = policy.storage(target)
+    compute = policy.compute(source)
+    if target == "i1":
+        return Kernel(lambda x: np.not_equal(_widen16(x, compute), 0))
+    return Kernel(lambda x: _widen16(x, compute).astype(storage))
+
+
+# -- values fixed when the graph is compiled ----------------------------------------------------
+
+
+def constant_value(op: Operation, policy: DtypePolicy) -> np.ndarray:
+    """The array a `graph.const` or `graph.iota` stands for (computed once, never written)."""
+    result = op.results[0].type
+    storage = policy.storage(result.dtype)
+    if op.name == "graph.iota":
+        axis = op.attributes["axis"]
+        line = np.arange(result.shape[axis], dtype=storage)
+        line = line.reshape([-1 if i == axis else 1 for i in range(result.rank)])
+        value = np.broadcast_to(line, result.shape)
+    else:
+        raw = op.attributes["value"]
+        value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(result.shape, raw, storage)
+    value = np.ascontiguousarray(value)
+    value.flags.writeable = False
+    return value
