@@ -44,6 +44,12 @@ def _kind(value: Any) -> str:
     return "a " + type(value).__name__.lower()
 
 
+def _described(value: Any) -> str:
+    """`value` printed, with what it is unless that is plain ("nil")."""
+    kind, text = _kind(value), show(value)
+    return text if kind == text else f"{text} ({kind})"
+
+
 def _tensor_call(name: str, loc: Location | None, args: tuple, kwargs: dict) -> Any:
     impl = TENSOR_OPS.get(name)
     if impl is None:
@@ -58,7 +64,7 @@ def _has_tensor(args: tuple) -> bool:
 def _check_numbers(name: str, args: tuple) -> None:
     for a in args:
         if a.__class__ not in _NUMBERS:
-            raise BuiltinError(f"expects numbers, got {show(a)} ({_kind(a)})")
+            raise BuiltinError(f"expects numbers, got {_described(a)}")
 
 
 def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -> None:
@@ -251,7 +257,7 @@ def _seq(value: Any, what: str = "a list") -> list:
         return []
     if isinstance(value, (list, str)) and not isinstance(value, SxMap):
         return value  # type: ignore[return-value]
-    raise BuiltinError(f"expects {what}, got {show(value)} ({_kind(value)})")
+    raise BuiltinError(f"expects {what}, got {_described(value)}")
 
 
 def _like(source: Any, items: list) -> list:
@@ -404,13 +410,13 @@ def _get(m: Any, key: Any, default: Any = None) -> Any:
         return m.get(key, default)
     if isinstance(m, (list, str)) and key.__class__ is int:
         return m[key] if -len(m) <= key < len(m) else default
-    raise BuiltinError(f"expects a map (or a list and an index), got {show(m)} ({_kind(m)})")
+    raise BuiltinError(f"expects a map (or a list and an index), got {_described(m)}")
 
 
 @builtin("assoc")
 def _assoc(m: Any, *pairs: Any) -> dict:
     if m is not None and not isinstance(m, dict):
-        raise BuiltinError(f"expects a map, got {show(m)} ({_kind(m)})")
+        raise BuiltinError(f"expects a map, got {_described(m)}")
     if len(pairs) % 2:
         raise BuiltinError("expects keys and values in pairs")
     out = dict(m or {})
@@ -424,7 +430,7 @@ def _keys(m: Any) -> SxList:
     if m is None:
         return SxList()
     if not isinstance(m, dict):
-        raise BuiltinError(f"expects a map, got {show(m)} ({_kind(m)})")
+        raise BuiltinError(f"expects a map, got {_described(m)}")
     return SxList(m.keys())
 
 

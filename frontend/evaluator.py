@@ -23,12 +23,13 @@ Extension points for the layers above (the experiment language):
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sexpgpu.diagnostics import Location, SxError, nearest
@@ -228,7 +229,7 @@ class Closure:
                 )
             slot = self.key_slots.get(key.name)
             if slot is None:
-                hint = nearest(key.name, self.spec.keys)
+                hint = suggest(key.name, self.spec.keys)
                 known = " ".join(":" + k for k in self.spec.keys)
                 raise SxError(
                     f"{self.describe()} has no keyword argument ':{key.name}'"
@@ -327,7 +328,7 @@ class Builtin:
                 raise SxError(f"'{self.name}' expects ':name value' pairs after {show(tail[0])}, got {show(key)}", loc)
             name = key.name.replace("-", "_")
             if not self.any_keyword and name not in self.keywords:
-                hint = nearest(name, self.keywords)
+                hint = suggest(name, self.keywords)
                 raise SxError(
                     f"'{self.name}' has no keyword argument ':{key.name}'"
                     + (f"; did you mean ':{hint.replace('_', '-')}'?" if hint else ""),
@@ -335,6 +336,21 @@ class Builtin:
                 )
             kwargs[name] = tail[i + 1]
         return kwargs
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str | None:
+    """The name to suggest for a misspelt `name`: the nearest by edit distance, else by
+    similarity (so a transposition in a short name, 'lenght' for 'len', still finds it)."""
+    candidates = list(candidates)
+    hint = nearest(name, candidates)
+    if hint is None:
+        scored = [
+            (difflib.SequenceMatcher(None, name, c).ratio(), len(os.path.commonprefix([name, c])), c)
+            for c in candidates
+        ]
+        best = max(scored, default=None)
+        hint = best[2] if best is not None and best[0] >= 0.6 else None
+    return hint
 
 
 def _count(n: int, noun: str) -> str:
@@ -744,7 +760,7 @@ class Evaluator:
         return global_ref
 
     def unbound(self, name: str, loc: Location | None, scope: Scope) -> SxError:
-        hint = nearest(name, scope.all_names() | set(self.globals) | set(_CORE_FORMS) | set(SPECIAL_FORMS))
+        hint = suggest(name, scope.all_names() | set(self.globals) | set(_CORE_FORMS) | set(SPECIAL_FORMS))
         return SxError(f"unbound symbol '{name}'" + (f"; did you mean '{hint}'?" if hint else ""), loc)
 
     def _analyze_list(self, form: SxList, scope: Scope) -> Callable[[list], Any]:
