@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from attrs import define, field, frozen
 
-from sexpgpu.diagnostics import Location, SxError
+from sexpgpu.diagnostics import Location, Note, SxError
 
 DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i1")
 FLOAT_DTYPES = ("f32", "bf16", "f16")
@@ -93,8 +93,13 @@ class Value:
         return self.owner if isinstance(self.owner, Operation) else None
 
     def replace_all_uses_with(self, other: Value) -> None:
-        for use in list(self.uses):
-            use.op.set_operand(use.index, other)
+        """Make every reader of this value read `other`: O(number of uses)."""
+        if other is self:
+            return
+        for use in self.uses:
+            use.op.operands[use.index] = other
+            other.uses[use] = None
+        self.uses.clear()
 
     @property
     def has_uses(self) -> bool:
@@ -158,11 +163,25 @@ class OpDef:
 
 
 class VerifyError(SxError):
-    """An op that breaks its definition's rules."""
+    """An op that breaks its definition's rules.
+
+    The error is located at the op's own `loc`; an op parsed from textual IR
+    without a location (`loc(unknown)`) is located at its line in the IR file,
+    and one with both gets a note pointing at that line.
+    """
 
     def __init__(self, message: str, op: Operation | None = None) -> None:
-        super().__init__(message, op.loc if op is not None else None)
+        super().__init__(message)
+        self.op: Operation | None = None
+        if op is not None:
+            self.attach(op)
+
+    def attach(self, op: Operation) -> None:
+        """Locate this error at `op` (shape errors raised by `infer` know no op)."""
         self.op = op
+        self.loc = op.loc if op.loc is not None else op.text_loc
+        if op.loc is not None and op.text_loc is not None:
+            self.notes.append(Note(op.text_loc, f"'{op.name}' is defined here in the IR"))
 
 
 class Registry:
@@ -206,6 +225,13 @@ class Operation:
     parent: Block | None = field(default=None, repr=False)
     _prev: Operation | None = field(default=None, repr=False)
     _next: Operation | None = field(default=None, repr=False)
+    #: Where the op was written in a textual IR file (set by the parser). Kept
+    #: apart from `loc`, which is the source position the op stands for and
+    #: round-trips through the text as written.
+    text_loc: Location | None = field(default=None, repr=False)
+    #: The `Use` of each operand slot, so unlinking an operand is O(1) even for
+    #: a value with many readers.
+    operand_uses: list[Use] = field(factory=list, repr=False)
 
     @classmethod
     def create(
@@ -219,8 +245,10 @@ class Operation:
     ) -> Operation:
         op = cls(name=name, attributes=dict(attributes or {}), loc=loc)
         for i, v in enumerate(operands):
+            use = Use(op, i)
             op.operands.append(v)
-            v.uses[Use(op, i)] = None
+            op.operand_uses.append(use)
+            v.uses[use] = None
         op.results = [Value(t, op, i) for i, t in enumerate(result_types)]
         for r in regions:
             op.add_region(r)
@@ -248,21 +276,16 @@ class Operation:
         self.regions.append(region)
 
     def set_operand(self, index: int, value: Value) -> None:
-        old = self.operands[index]
-        for use in list(old.uses):
-            if use.op is self and use.index == index:
-                del old.uses[use]
-                break
+        use = self.operand_uses[index]
+        del self.operands[index].uses[use]
         self.operands[index] = value
-        value.uses[Use(self, index)] = None
+        value.uses[use] = None
 
     def drop_operands(self) -> None:
-        for i, v in enumerate(self.operands):
-            for use in list(v.uses):
-                if use.op is self and use.index == i:
-                    del v.uses[use]
-                    break
+        for use, v in zip(self.operand_uses, self.operands):
+            del v.uses[use]
         self.operands = []
+        self.operand_uses = []
 
     def erase(self) -> None:
         """Remove this op from its block; its results must be unused."""
@@ -299,12 +322,21 @@ class Operation:
         return self.regions[0].blocks[0]
 
     def verify(self) -> None:
-        """Verify this op and everything nested in it."""
+        """Verify this op and everything nested in it; raises the first VerifyError."""
         for op in self.walk():
-            opdef = op.opdef
-            if opdef is None:
-                raise VerifyError(f"unknown op '{op.name}'", op)
-            opdef.verify(op)
+            op.verify_one()
+
+    def verify_one(self) -> None:
+        """Verify this op alone (not what its regions hold), locating any error at it."""
+        opdef = self.opdef
+        if opdef is None:
+            raise VerifyError(f"unknown op '{self.name}'", self)
+        try:
+            opdef.verify(self)
+        except VerifyError as err:
+            if err.op is None:
+                err.attach(self)
+            raise
 
 
 @define(eq=False, slots=True)
@@ -440,7 +472,12 @@ class Builder:
         if opdef is None:
             raise ValueError(f"unknown op {name}")
         if result_types is None:
-            inferred = opdef.infer([v.type for v in operands], attributes)
+            try:
+                inferred = opdef.infer([v.type for v in operands], attributes)
+            except VerifyError as err:
+                if err.loc is None:
+                    err.loc = loc or self.loc
+                raise
             if inferred is None:
                 raise ValueError(f"{name} needs explicit result types")
             result_types = inferred

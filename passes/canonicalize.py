@@ -1,0 +1,342 @@
+"""`canonicalize`: algebraic identities, shape-op chains and splat-constant folding.
+
+Every rewrite is a `RewritePattern` driven to a fixpoint by the greedy driver
+in `rewriter.py`, which also erases pure ops left unused.
+
+Which identities are safe: `x + 0`, `x - 0`, `x * 1`, `x / 1`, `x ** 1` give
+exactly `x` for every value except that `-0.0 + 0.0` is `+0.0`, a zero of
+the other sign, which compares equal (XLA and Grappler make the same call).
+`x * 0` is not `0` for floats when `x` is inf or nan, so it folds only for
+integer and boolean tensors, or for floats with the `fast-math` option.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from attrs import define
+from sexpgpu.dialects.core import FLOAT_DTYPES, Operation, Value
+from sexpgpu.passes.dce import graph_funcs
+from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
+from sexpgpu.passes.rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
+
+NUMPY_DTYPES: dict[str, Any] = {
+    "f32": np.float32,
+    "f16": np.float16,
+    "bf16": ml_dtypes.bfloat16,
+    "i32": np.int32,
+    "i64": np.int64,
+    "i1": np.bool_,
+}
+
+
+def splat_value(value: Value) -> Any:
+    """The scalar of a splat `graph.const` (a number or bool), else None."""
+    op = value.op
+    if op is None or op.name != "graph.const":
+        return None
+    scalar = op.attributes.get("value")
+    return None if isinstance(scalar, list) else scalar
+
+
+def _is_splat_of(value: Value, number: float) -> bool:
+    scalar = splat_value(value)
+    return scalar is not None and not isinstance(scalar, bool) and scalar == number
+
+
+def _python_scalar(x: Any, dtype: str) -> Any:
+    """A numpy scalar as the attribute value a const of `dtype` holds."""
+    if dtype == "i1":
+        return bool(x)
+    if dtype in FLOAT_DTYPES:
+        return float(x)
+    return int(x)
+
+
+# -- identities --------------------------------------------------------------------------------
+
+
+class _Identity(RewritePattern):
+    """`op(x, c)` (and `op(c, x)` when `commutative`) is `x` when `c` is a splat of `unit`."""
+
+    unit: float = 0.0
+    commutative = False
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        x, c = op.operands
+        if _is_splat_of(c, self.unit):
+            rewriter.replace_op(op, [x])
+            return True
+        if self.commutative and _is_splat_of(x, self.unit):
+            rewriter.replace_op(op, [c])
+            return True
+        return False
+
+
+class AddZero(_Identity):
+    """`x + 0 → x`, `0 + x → x`."""
+
+    op_names = ("graph.add",)
+    unit = 0.0
+    commutative = True
+
+
+class SubZero(_Identity):
+    """`x - 0 → x`."""
+
+    op_names = ("graph.sub",)
+    unit = 0.0
+
+
+class MulOne(_Identity):
+    """`x * 1 → x`, `1 * x → x`."""
+
+    op_names = ("graph.mul",)
+    unit = 1.0
+    commutative = True
+
+
+class DivOne(_Identity):
+    """`x / 1 → x`."""
+
+    op_names = ("graph.div",)
+    unit = 1.0
+
+
+class PowOne(_Identity):
+    """`x ** 1 → x`."""
+
+    op_names = ("graph.pow",)
+    unit = 1.0
+
+
+@define
+class MulZero(RewritePattern):
+    """`x * 0 → 0` for integer and boolean tensors; for floats only under fast math (inf * 0 is nan)."""
+
+    fast_math: bool = False
+    op_names = ("graph.mul",)
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        if op.result.type.dtype in FLOAT_DTYPES and not self.fast_math:
+            return False
+        for zero in op.operands:
+            if _is_splat_of(zero, 0.0):
+                rewriter.replace_op(op, [zero])
+                return True
+        return False
+
+
+class SelfInverse(RewritePattern):
+    """`neg(neg(x)) → x`."""
+
+    op_names = ("graph.neg",)
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        inner = op.operands[0].op
+        if inner is not None and inner.name == op.name:
+            rewriter.replace_op(op, [inner.operands[0]])
+            return True
+        return False
+
+
+class NoOpShape(RewritePattern):
+    """Shape ops that change nothing: reshape/broadcast to the same shape, the identity
+    transpose, cast to the same dtype, a slice of the whole axis, a pad by zero."""
+
+    op_names = ("graph.reshape", "graph.broadcast", "graph.transpose", "graph.cast", "graph.slice", "graph.pad")
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        x = op.operands[0]
+        if op.result.type != x.type:
+            return False
+        attrs = op.attributes
+        if op.name == "graph.transpose" and list(attrs["perm"]) != list(range(x.type.rank)):
+            return False
+        if op.name == "graph.pad" and (attrs["before"] or attrs["after"]):
+            return False
+        rewriter.replace_op(op, [x])
+        return True
+
+
+class ComposeShapeChains(RewritePattern):
+    """Two shape ops in a row become one: reshape∘reshape, broadcast∘broadcast,
+    transpose∘transpose (composed permutation); squeeze∘expand_dims and
+    expand_dims∘squeeze of the same axis are `x`."""
+
+    op_names = ("graph.reshape", "graph.broadcast", "graph.transpose", "graph.squeeze", "graph.expand_dims")
+    _INVERSES = {"graph.squeeze": "graph.expand_dims", "graph.expand_dims": "graph.squeeze"}
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        inner = op.operands[0].op
+        if inner is None:
+            return False
+        x = inner.operands[0] if inner.operands else None
+        if op.name in self._INVERSES:
+            if inner.name == self._INVERSES[op.name] and inner.attributes["axis"] == op.attributes["axis"]:
+                rewriter.replace_op(op, [x])
+                return True
+            return False
+        if inner.name != op.name:
+            return False
+        if op.name == "graph.transpose":
+            outer_perm, inner_perm = op.attributes["perm"], inner.attributes["perm"]
+            attributes = {"perm": [inner_perm[p] for p in outer_perm]}
+        else:
+            attributes = dict(op.attributes)
+        rewriter.replace_op(op, rewriter.create(op.name, [x], attributes, loc=op.loc))
+        return True
+
+
+class SelectOfKnown(RewritePattern):
+    """`where(c, x, x) → x`; `where(splat c, a, b)` → `a` or `b`."""
+
+    op_names = ("graph.where",)
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        cond, a, b = op.operands
+        if a is b:
+            rewriter.replace_op(op, [a])
+            return True
+        known = splat_value(cond)
+        if known is None:
+            return False
+        rewriter.replace_op(op, [a if known else b])
+        return True
+
+
+# -- splat constant folding --------------------------------------------------------------------
+
+
+def _rsqrt(x: Any) -> Any:
+    return 1 / np.sqrt(x)
+
+
+def _erf(x: Any) -> Any:
+    return type(x)(math.erf(float(x)))
+
+
+#: Unary ops on a scalar of the operand's numpy type.
+_UNARY: dict[str, Callable[[Any], Any]] = {
+    "graph.neg": np.negative,
+    "graph.exp": np.exp,
+    "graph.log": np.log,
+    "graph.sqrt": np.sqrt,
+    "graph.rsqrt": _rsqrt,
+    "graph.tanh": np.tanh,
+    "graph.erf": _erf,
+    "graph.abs": np.abs,
+    "graph.recip": np.reciprocal,
+    "graph.sin": np.sin,
+    "graph.cos": np.cos,
+}
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "graph.add": np.add,
+    "graph.sub": np.subtract,
+    "graph.mul": np.multiply,
+    "graph.div": np.divide,
+    "graph.pow": np.power,
+    "graph.maximum": np.maximum,
+    "graph.minimum": np.minimum,
+    "graph.eq": np.equal,
+    "graph.ne": np.not_equal,
+    "graph.lt": np.less,
+    "graph.le": np.less_equal,
+    "graph.gt": np.greater,
+    "graph.ge": np.greater_equal,
+}
+#: Integer division and power round differently across backends; those fold for floats only.
+_FLOAT_ONLY = frozenset({"graph.div", "graph.pow"})
+#: Ops whose result is a splat of the operand's scalar when the operand is a splat.
+_SPLAT_PRESERVING = frozenset(
+    {"graph.reshape", "graph.transpose", "graph.broadcast", "graph.slice", "graph.squeeze", "graph.expand_dims",
+     "graph.max", "graph.min"}
+)
+
+
+class FoldSplatConstants(RewritePattern):
+    """An elementwise, compare, cast or splat-preserving shape op whose operands are all
+    splat constants becomes a splat constant, computed in the operand dtype as the
+    backends compute it."""
+
+    op_names = (*_UNARY, *_BINARY, "graph.cast", *_SPLAT_PRESERVING)
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        scalars = [splat_value(v) for v in op.operands]
+        if not scalars or any(s is None for s in scalars):
+            return False
+        folded = self.fold(op, scalars)
+        if folded is None:
+            return False
+        const = rewriter.create("graph.const", [], {"value": folded}, [op.result.type], loc=op.loc)
+        rewriter.replace_op(op, const)
+        return True
+
+    def fold(self, op: Operation, scalars: list[Any]) -> Any:
+        """The folded scalar, or None when folding would not be exact or portable."""
+        in_dtype = op.operands[0].type.dtype
+        out_dtype = op.result.type.dtype
+        if op.name in _SPLAT_PRESERVING:
+            return scalars[0]
+        args = [NUMPY_DTYPES[in_dtype](s) for s in scalars]
+        with np.errstate(all="ignore"):
+            if op.name == "graph.cast":
+                if out_dtype not in FLOAT_DTYPES and out_dtype != "i1" and not np.isfinite(args[0]):
+                    return None
+                result = np.array(args[0]).astype(NUMPY_DTYPES[out_dtype])[()]
+            elif op.name in _UNARY:
+                if in_dtype == "i1":
+                    return None
+                result = _UNARY[op.name](args[0])
+            else:
+                if in_dtype == "i1" or (op.name in _FLOAT_ONLY and in_dtype not in FLOAT_DTYPES):
+                    return None
+                result = _BINARY[op.name](args[0], args[1])
+        return _python_scalar(NUMPY_DTYPES[out_dtype](result), out_dtype)
+
+
+def canonical_patterns(fast_math: bool = False) -> list[RewritePattern]:
+    """The canonicalization patterns of the graph dialect."""
+    return [
+        FoldSplatConstants(),
+        AddZero(),
+        SubZero(),
+        MulOne(),
+        DivOne(),
+        PowOne(),
+        MulZero(fast_math),
+        SelfInverse(),
+        NoOpShape(),
+        ComposeShapeChains(),
+        SelectOfKnown(),
+    ]
+
+
+@register_pass
+@define
+class Canonicalize(Pass):
+    """Rewrites every `graph.func` to canonical form with the patterns above, to a fixpoint.
+
+    Guarantees: afterwards no pattern applies and no pure op is unused; the
+    values computed by the graph's returns and emits are unchanged (up to the
+    sign of a zero, see the module docstring). Option `fast-math` also folds
+    `x * 0 → 0` for floats.
+    """
+
+    name = "canonicalize"
+    summary = "fold identities, shape-op chains and splat constants"
+    fast_math: bool = False
+
+    def run(self, unit: CompilationUnit) -> None:
+        module_pass(self._run_module)(unit)
+
+    def _run_module(self, module: Operation) -> None:
+        driver = GreedyRewriteDriver(canonical_patterns(self.fast_math))
+        for func in graph_funcs(module):
+            for region in func.regions:
+                for block in region.blocks:
+                    driver.rewrite_block(block)

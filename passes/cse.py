@@ -1,0 +1,90 @@
+"""`cse`: merge pure ops that compute the same thing from the same operands."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from attrs import define
+from sexpgpu.dialects.core import Block, Operation
+from sexpgpu.passes.dce import graph_funcs
+from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
+
+
+def freeze_attribute(value: Any) -> Any:
+    """A hashable key equal for two attribute values exactly when they print the same.
+
+    Types are tagged so `1`, `1.0` and `true` stay apart; floats key by their
+    repr so `nan` equals `nan` and `-0.0` differs from `0.0`.
+    """
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return ("i", value)
+    if isinstance(value, float):
+        return ("f", repr(value) if not math.isnan(value) else "nan")
+    if isinstance(value, (list, tuple)):
+        return ("l", tuple(freeze_attribute(v) for v in value))
+    if isinstance(value, dict):
+        return ("d", tuple(sorted((k, freeze_attribute(v)) for k, v in value.items())))
+    return value  # str, TensorType, SymbolRef: hashable and compared by value
+
+
+def op_key(op: Operation) -> tuple:
+    """What makes two ops interchangeable: name, operands, attributes, result types."""
+    return (
+        op.name,
+        tuple(map(id, op.operands)),
+        tuple(sorted((k, freeze_attribute(v)) for k, v in op.attributes.items())),
+        tuple(r.type for r in op.results),
+    )
+
+
+def eliminate_common_subexpressions(block: Block) -> int:
+    """Replace each pure op equal to an earlier one by that one; returns how many were merged.
+
+    Operands are compared by identity, so walking the block in order merges
+    whole equal chains in one sweep: once `%b` is replaced by `%a`, users of
+    `%b` key on `%a`.
+    """
+    seen: dict[tuple, Operation] = {}
+    merged = 0
+    for op in block.ops:
+        opdef = op.opdef
+        if opdef is None or not opdef.pure or op.regions or not op.results:
+            continue
+        key = op_key(op)
+        earlier = seen.get(key)
+        if earlier is None:
+            seen[key] = op
+            continue
+        for old, new in zip(op.results, earlier.results):
+            old.replace_all_uses_with(new)
+        op.erase()
+        merged += 1
+    return merged
+
+
+@register_pass
+@define
+class CommonSubexpressionElimination(Pass):
+    """Merges equal pure ops within each block of every `graph.func`.
+
+    Two ops are equal when their names, operands (the same values), attributes
+    and result types are equal. The later op's uses move to the earlier op
+    and the later op is erased. Impure ops (inputs, emits, returns) are never
+    merged; ops holding regions are left alone.
+    """
+
+    name = "cse"
+    summary = "merge pure ops with equal names, operands, attributes and result types"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module_pass(_cse_module)(unit)
+
+
+def _cse_module(module: Operation) -> None:
+    for func in graph_funcs(module):
+        for region in func.regions:
+            for block in region.blocks:
+                eliminate_common_subexpressions(block)

@@ -1,0 +1,279 @@
+"""`sexpgpu-opt`: run any pass pipeline on a `.sx` file or on textual IR.
+
+    sexpgpu-opt mlp.sxir -p 'canonicalize,cse,dce' --timing
+    sexpgpu-opt my-run.sx --variant smoke -p 'evaluate,autodiff,cse,dce'
+    sexpgpu-opt errors.sxir --split-input-file --verify-diagnostics
+
+Textual IR (any file not ending in `.sx`) is parsed and verified before the
+pipeline runs; a `.sx` file is handed to the pipeline as text (its frontend
+passes read it). The result is printed unless a dump pass wrote a report.
+Exit status: 0 success, 1 diagnostics, 2 usage, 3 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+
+from attrs import define, field
+from sexpgpu.tools.common import add_selection_flags, guarded
+
+from sexpgpu.diagnostics import Location, SxError, UsageError, remember_source
+
+_SPLIT_MARKER = {False: re.compile(r"^//\s*-----\s*$"), True: re.compile(r"^;+\s*-----\s*$")}
+_EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+))?\s*\{\{(.*?)\}\}")
+_RENDERED = re.compile(r"^(.+?):(\d+):(\d+): (error|warning|note): (.*)$")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sexpgpu-opt", description="Run a pass pipeline on a .sx file or on textual IR (.sxir)."
+    )
+    parser.add_argument("file", nargs="?", default="-", help="input file; '-' (the default) reads stdin")
+    parser.add_argument("-p", "--pipeline", default="", metavar="PIPELINE",
+                        help="comma-separated passes, e.g. 'canonicalize,cse,dce' or 'fuse{max-nodes=15}'")
+    parser.add_argument("-o", dest="output", metavar="OUT", help="write the result here instead of stdout")
+    parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
+    parser.add_argument("--print-ir-after", action="append", default=[], metavar="NAME",
+                        help="print the IR after pass NAME (repeatable)")
+    parser.add_argument("--print-ir-before", action="append", default=[], metavar="NAME",
+                        help="print the IR before pass NAME (repeatable)")
+    parser.add_argument("--verify-each", action="store_true", help="verify the IR after every pass")
+    parser.add_argument("--timing", action="store_true", help="report each pass's wall time and op counts (stderr)")
+    parser.add_argument("--split-input-file", action="store_true",
+                        help="run each '// -----' (';; -----' in .sx) separated chunk on its own")
+    parser.add_argument("--verify-diagnostics", action="store_true",
+                        help="check the diagnostics against the file's expected-error/warning/note annotations")
+    parser.add_argument("--list-passes", action="store_true", help="list the registered passes and exit")
+    add_selection_flags(parser)
+    return parser
+
+
+@define
+class Diagnostic:
+    severity: str
+    loc: Location | None
+    message: str
+
+
+@define
+class Expectation:
+    severity: str
+    line: int
+    message: str
+    #: Where the annotation is written, for reporting it when unmet.
+    written_at: int
+    met: bool = False
+
+
+@define
+class ChunkResult:
+    output: str = ""
+    diagnostics: list[Diagnostic] = field(factory=list)
+    #: The error that stopped the chunk, already rendered.
+    failure: str | None = None
+
+
+def list_passes() -> str:
+    from sexpgpu.passes import load_all
+    from sexpgpu.passes.manager import PASSES
+
+    load_all()
+    width = max((len(n) for n in PASSES), default=0)
+    return "".join(f"  {name:<{width}}  {PASSES[name].summary}\n" for name in sorted(PASSES))
+
+
+def read_input(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+
+
+def split_chunks(text: str, is_sx: bool) -> list[str]:
+    """The chunks between split markers, each padded with empty lines so line numbers stay the file's."""
+    marker = _SPLIT_MARKER[is_sx]
+    lines = text.split("\n")
+    chunks, start = [], 0
+    for i, line in enumerate(lines + [None]):
+        if line is None or marker.match(line):
+            chunks.append("\n" * start + "\n".join(lines[start:i]))
+            start = i + 1
+    return chunks
+
+
+def expectations(text: str) -> list[Expectation]:
+    """The `expected-error@+1 {{...}}` annotations of a chunk."""
+    found = []
+    for number, line in enumerate(text.split("\n"), 1):
+        for m in _EXPECTATION.finditer(line):
+            offset = int(m.group(2)) if m.group(2) else 0
+            found.append(Expectation(m.group(1), number + offset, m.group(3), number))
+    return found
+
+
+def diagnostics_of(err: SxError) -> list[Diagnostic]:
+    """An error (or every error of a VerificationFailed) with its notes, as diagnostics."""
+    out = []
+    for single in getattr(err, "errors", [err]):
+        out.append(Diagnostic("error", single.loc, single.message))
+        out.extend(Diagnostic("note", note.loc, note.message) for note in single.notes)
+    return out
+
+
+def _same_file(loc: Location | None, path: str) -> bool:
+    return loc is not None and (loc.file == path or os.path.abspath(loc.file) == os.path.abspath(path))
+
+
+def check_expectations(path: str, expected: list[Expectation], produced: list[Diagnostic]) -> list[str]:
+    """Match diagnostics to expectations; the complaints about the misses (empty when all match).
+
+    An error is also matched at the location of its notes, so an error located
+    in a `.sx` file is expected at the line of the IR op it came from. Notes
+    are checked only against `expected-note`: an unexpected note is no complaint.
+    """
+    complaints = []
+    unmatched = list(produced)
+    for exp in expected:
+        for diag in unmatched:
+            if diag.severity != exp.severity or exp.message not in diag.message:
+                continue
+            at = [diag.loc]
+            if diag.severity == "error":
+                index = produced.index(diag) + 1
+                while index < len(produced) and produced[index].severity == "note":
+                    at.append(produced[index].loc)
+                    index += 1
+            if any(_same_file(loc, path) and loc.line == exp.line for loc in at):
+                exp.met = True
+                unmatched.remove(diag)
+                break
+        if not exp.met:
+            complaints.append(
+                f"{path}:{exp.written_at}: error: expected {exp.severity} \"{exp.message}\" at line {exp.line} "
+                "was not produced"
+            )
+    for diag in unmatched:
+        if diag.severity != "note":
+            where = f"{diag.loc}: " if diag.loc else ""
+            complaints.append(f"{where}error: unexpected {diag.severity}: {diag.message}")
+    return complaints
+
+
+@define
+class Opt:
+    """One invocation: the options and the input, run chunk by chunk."""
+
+    args: argparse.Namespace
+
+    def run_chunk(self, text: str, path: str, is_sx: bool) -> ChunkResult:
+        from sexpgpu.dialects.parser import parse_module
+        from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
+        from sexpgpu.passes.verify import verify_module
+
+        args = self.args
+        result = ChunkResult()
+        report = io.StringIO()
+        unit = CompilationUnit(path=path, text=text, variant=args.variant, sets=list(args.set), out=report)
+        manager = PassManager(
+            parse_pipeline(args.pipeline),
+            print_before=set(args.print_ir_before),
+            print_after=set(args.print_ir_after),
+            print_after_all=args.print_ir_after_all,
+            verify_each=args.verify_each,
+            timing=args.timing,
+            log=sys.stderr,
+        )
+        try:
+            if not is_sx:
+                unit.module = parse_module(text, path, verify=False)
+                verify_module(unit.module)
+            manager.run(unit)
+        except SxError as err:
+            result.diagnostics = diagnostics_of(err)
+            result.failure = err.render()
+            return result
+        result.output = report.getvalue() + ("" if unit.dumped else unit.printable())
+        return result
+
+    def run_chunk_capturing(self, text: str, path: str, is_sx: bool) -> ChunkResult:
+        """Run a chunk collecting the warnings it prints too; other stderr text passes through."""
+        captured = io.StringIO()
+        with contextlib.redirect_stderr(captured):
+            result = self.run_chunk(text, path, is_sx)
+        passthrough = []
+        for line in captured.getvalue().splitlines():
+            m = _RENDERED.match(line)
+            if m and m.group(4) in ("warning", "note"):
+                loc = Location(m.group(1), int(m.group(2)), int(m.group(3)))
+                result.diagnostics.append(Diagnostic(m.group(4), loc, m.group(5)))
+            else:
+                passthrough.append(line + "\n")
+        sys.stderr.write("".join(passthrough))
+        return result
+
+    def main(self) -> int:
+        args = self.args
+        if args.list_passes:
+            sys.stdout.write(list_passes())
+            return 0
+        self.check_pass_names()
+        path = "<stdin>" if args.file == "-" else args.file
+        text = read_input(args.file)
+        remember_source(path, text)
+        is_sx = path.endswith(".sx")
+        chunks = split_chunks(text, is_sx) if args.split_input_file else [text]
+        outputs, status = [], 0
+        for chunk in chunks:
+            if args.verify_diagnostics:
+                result = self.run_chunk_capturing(chunk, path, is_sx)
+                complaints = check_expectations(path, expectations(chunk), result.diagnostics)
+                if complaints:
+                    print("\n".join(complaints), file=sys.stderr)
+                    status = 1
+            else:
+                result = self.run_chunk(chunk, path, is_sx)
+                if result.failure is not None:
+                    sys.stdout.flush()
+                    print(result.failure, file=sys.stderr)
+                    status = 1
+            if result.failure is None:
+                outputs.append(result.output)
+        self.write("// -----\n".join(outputs))
+        return status
+
+    def check_pass_names(self) -> None:
+        from sexpgpu.passes import load_all
+        from sexpgpu.passes.manager import PASSES, parse_pipeline
+
+        load_all()
+        parse_pipeline(self.args.pipeline)  # a usage error now rather than once per chunk
+        for name in [*self.args.print_ir_after, *self.args.print_ir_before]:
+            if name not in PASSES:
+                raise UsageError(f"unknown pass '{name}' in --print-ir-after/--print-ir-before")
+
+    def write(self, text: str) -> None:
+        if self.args.output is None:
+            sys.stdout.write(text)
+            return
+        try:
+            with open(self.args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as err:
+            raise UsageError(f"cannot write {self.args.output}: {err.strerror}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded(lambda: Opt(args).main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
