@@ -1,0 +1,38 @@
+"""`explain{json=false}`: the explain report of the unit's experiment, written to `unit.out`.
+
+The document comes from `sexpgpu.report.build_document` (the module plus the
+facts earlier passes left: casts and kept-f32 sites from `insert-casts`, the
+memory bound from `plan-memory`); with `json=true` the pass writes the
+document itself, pretty-printed, instead of its text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+from attrs import define
+
+from sexpgpu.diagnostics import SxError
+from sexpgpu.report import build_document, render_text
+
+from .manager import CompilationUnit, Pass, register_pass
+
+
+@register_pass
+@define
+class ExplainPass(Pass):
+    name: ClassVar[str] = "explain"
+    summary: ClassVar[str] = "dump the explain report (json=true: the document)"
+
+    json: bool = False
+
+    def run(self, unit: CompilationUnit) -> None:
+        if unit.module is None:
+            raise SxError("explain needs IR: run 'evaluate' first on a .sx file")
+        document = build_document(unit.module, unit.facts, unit.path)
+        if self.json:
+            unit.out.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        else:
+            unit.out.write(render_text(document))
+        unit.dumped = True

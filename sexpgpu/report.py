@@ -1,0 +1,544 @@
+"""The explain document: one dict describing what the compiler made of a file, and its text.
+
+`build_document` reads the experiment module (the `exp` ops and the
+`graph.func` ops) and the facts passes left on the unit, and returns one dict
+with stable keys (`sexpgpu/schemas/explain.schema.json`). `render_text` turns
+that dict, and only that dict, into the report `sexpgpu explain` prints, so
+the text and `--json` cannot disagree. `diff` compares two such documents.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sexpgpu import __version__
+from sexpgpu.diagnostics import display_path
+from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
+
+#: The order op families are listed in (the graph dialect's families).
+FAMILY_ORDER = (
+    "input", "const", "unary", "binary", "compare", "select", "reduce",
+    "shape", "contract", "index", "cast", "emit",
+)
+#: Rows of largest tensors kept per graph in the document.
+LARGEST_KEPT = 10
+#: Rows of largest tensors the text shows for graphs other than `train` (the document keeps ten).
+LARGEST_SHOWN_OTHER = 3
+#: Constants the text lists per group before eliding the rest (the document keeps all).
+CONSTANTS_SHOWN = 8
+DEVICE_HOLE = "device: (hole) — run explain --device cuda on a GPU machine"
+
+#: How a graph.func's `kind` reads in reports; evaluations and clip graphs read as their symbol.
+KIND_TITLES = {
+    "train": "train",
+    "train_accumulating": "train accumulating",
+    "train_stacked": "train stacked",
+    "train_diagnosed": "train diagnosed",
+}
+
+
+# -- number formats shared by explain and diff ------------------------------------------------
+
+
+def human_count(n: int) -> str:
+    """An element count to 3 significant digits: 1040, 393k, 6.44M, 13.3M."""
+    if n < 10_000:
+        return str(n)
+    for suffix, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        scaled = n / scale
+        if scaled < 999.5:
+            return f"{scaled:.3g}{suffix}"
+    return f"{n / 1e12:.3g}T"
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def show_value(value: Any) -> str:
+    """A knob value or folded constant as the user would write it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + " ".join(show_value(v) for v in value) + "]"
+    return str(value)
+
+
+def show_shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
+
+
+def compress_paths(paths: Iterable[str]) -> list[str]:
+    """Model paths that differ in one numeric component merge: model.blocks.{0..11}.attn."""
+    templates: dict[str, list[list[str]]] = {}
+    for path in paths:
+        parts = path.split(".")
+        key = ".".join("#" if p.isdigit() else p for p in parts)
+        templates.setdefault(key, []).append(parts)
+    out: list[str] = []
+    for group in templates.values():
+        unique = [list(p) for p in dict.fromkeys(tuple(p) for p in group)]
+        varying = [i for i in range(len(unique[0])) if len({p[i] for p in unique}) > 1]
+        if len(varying) != 1:
+            out.extend(".".join(p) for p in unique)
+            continue
+        pos = varying[0]
+        numbers = sorted(int(p[pos]) for p in unique)
+        contiguous = numbers == list(range(numbers[0], numbers[-1] + 1))
+        span = f"{{{numbers[0]}..{numbers[-1]}}}" if contiguous else "{" + ",".join(map(str, numbers)) + "}"
+        merged = list(unique[0])
+        merged[pos] = span
+        out.append(".".join(merged))
+    return out
+
+
+# -- the document -----------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """An attribute value as JSON-able data (symbols by name, tensor types as shape and dtype)."""
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else show_value(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, TensorType):
+        return {"shape": list(value.shape), "dtype": value.dtype}
+    if isinstance(value, SymbolRef):
+        return value.name
+    return str(value)
+
+
+def _exp_ops(module: Operation, name: str) -> list[Operation]:
+    return [op for op in module.body.ops if op.name == name]
+
+
+def _one(module: Operation, name: str) -> Operation:
+    ops = _exp_ops(module, name)
+    if len(ops) != 1:
+        raise ValueError(f"the experiment module has {len(ops)} '{name}' ops, expected one")
+    return ops[0]
+
+
+def _graph_title(func: Operation) -> str:
+    kind = func.attributes.get("kind", "")
+    if kind == "update":
+        return f"update {func.attributes.get('group', func.attributes['sym_name'])}"
+    return KIND_TITLES.get(kind, func.attributes["sym_name"])
+
+
+def _selection(module: Operation) -> dict[str, Any]:
+    attrs = _one(module, "exp.selection").attributes
+    knobs = [{"name": name, "value": _plain(value), "source": source} for name, (value, source) in attrs["knobs"].items()]
+    return {"variant": attrs["variant"], "knobs": knobs}
+
+
+def _parameters(params: list[Operation]) -> dict[str, Any]:
+    modules: dict[str, dict[str, Any]] = {}
+    total = 0
+    for op in params:
+        attrs = op.attributes
+        path: str = attrs["path"]
+        ptype: TensorType = attrs["type"]
+        root, _, rest = path.partition(".")
+        module = modules.setdefault(root, {"name": root, "elements": 0, "leaves": []})
+        module["elements"] += ptype.numel
+        module["leaves"].append(
+            {
+                "path": path,
+                "name": rest or path,
+                "shape": list(ptype.shape),
+                "dtype": ptype.dtype,
+                "elements": ptype.numel,
+                "group": attrs["group"],
+            }
+        )
+        total += ptype.numel
+    # Master weights are always f32, whatever the compute precision (language §6).
+    return {"count": len(params), "elements": total, "master_bytes": total * 4, "modules": list(modules.values())}
+
+
+def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[str, Any]]:
+    out = []
+    for op in groups:
+        attrs = op.attributes
+        members = list(attrs["members"])
+        states = attrs.get("states") or {}
+        out.append(
+            {
+                "name": attrs["name"],
+                "optimizer": attrs["optimizer"],
+                "params": len(members),
+                "elements": sum(elements_of[m] for m in members),
+                "members": members,
+                "states": [{"name": k, "elements": v} for k, v in states.items()],
+                "state_elements": sum(states.values()),
+                "constants": sorted(_plain(c) for c in attrs.get("constants", [])),
+            }
+        )
+    return out
+
+
+def _largest(ops: Iterable[Operation]) -> list[dict[str, Any]]:
+    results = [(r.type.numel, i, op, r) for i, op in enumerate(ops) for r in op.results]
+    results.sort(key=lambda item: (-item[0], item[1]))
+    return [
+        {
+            "elements": numel,
+            "shape": list(r.type.shape),
+            "dtype": r.type.dtype,
+            "op": op.name.removeprefix("graph."),
+            "loc": op.loc.short() if op.loc is not None else None,
+        }
+        for numel, _, op, r in results[:LARGEST_KEPT]
+    ]
+
+
+def _graphs(funcs: list[Operation], casts: dict[str, int]) -> list[dict[str, Any]]:
+    """One entry per graph; the update graphs of a group add up into one `update <group>` entry."""
+    by_title: dict[str, list[Operation]] = {}
+    for func in funcs:
+        by_title.setdefault(_graph_title(func), []).append(func)
+    out = []
+    for title, members in by_title.items():
+        families: dict[str, int] = {}
+        emits: list[dict[str, str]] = []
+        nodes = 0
+        body_ops: list[Operation] = []
+        for func in members:
+            for op in func.body.ops:
+                if op.name == "graph.return":
+                    continue
+                nodes += 1
+                body_ops.append(op)
+                families[op.family] = families.get(op.family, 0) + 1
+                if op.family == "emit":
+                    emit = {"kind": op.name.removeprefix("graph."), "name": op.attributes["name"]}
+                    if emit not in emits:
+                        emits.append(emit)
+        order = [f for f in FAMILY_ORDER if f in families] + sorted(f for f in families if f not in FAMILY_ORDER)
+        out.append(
+            {
+                "name": title,
+                "kind": members[0].attributes.get("kind", "unknown"),
+                "symbols": [f.attributes["sym_name"] for f in members],
+                "nodes": nodes,
+                "casts": sum(casts.get(f.attributes["sym_name"], 0) for f in members),
+                "ops": [{"family": f, "count": families[f]} for f in order],
+                "emits": emits,
+                "largest": _largest(body_ops),
+            }
+        )
+    return out
+
+
+def _static_counters(train: Operation | None, microbatches: int) -> list[dict[str, Any]]:
+    if train is None:
+        return []
+    counters: dict[str, dict[str, Any]] = {}
+    for op in train.body.ops:
+        if op.name != "graph.counter":
+            continue
+        source = op.operands[0].op
+        static = source is not None and source.name == "graph.const" and not isinstance(source.attributes["value"], list)
+        per_microbatch = source.attributes["value"] if static else None
+        entry = counters.setdefault(op.attributes["name"], {"name": op.attributes["name"], "per_step": 0, "static": True})
+        if static and entry["static"]:
+            entry["per_step"] += per_microbatch * microbatches
+        else:
+            entry.update(per_step=None, static=False)
+    return list(counters.values())
+
+
+def _step(
+    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: dict[str, Any]
+) -> dict[str, Any]:
+    loaders = {op.attributes["name"]: op.attributes for op in _exp_ops(module, "exp.loader")}
+    batch = loaders[run["loader"]]["batch"]
+    evaluations = []
+    for op in _exp_ops(module, "exp.evaluation"):
+        attrs = op.attributes
+        evaluations.append(
+            {"name": attrs["name"], "every": attrs["every"], "loader": attrs["loader"], "batch": loaders[attrs["loader"]]["batch"]}
+        )
+    memory = facts.get("memory", {})
+    train_symbol = graphs_by_kind["train"].attributes["sym_name"] if "train" in graphs_by_kind else None
+    planned = memory.get(train_symbol)
+    peak = (
+        {"bytes": planned["peak_bytes"], "param_bytes": planned["param_bytes"], "grad_bytes": planned["grad_bytes"]}
+        if planned
+        else None
+    )
+    checkpoints = run.get("checkpoints")
+    return {
+        "microbatches": run["microbatches"],
+        "batch": batch,
+        "records_per_step": run["microbatches"] * batch,
+        "steps": run["steps"],
+        "counters": _static_counters(graphs_by_kind.get("train"), run["microbatches"]),
+        "evaluations": evaluations,
+        "checkpoints": checkpoints if isinstance(checkpoints, int) and not isinstance(checkpoints, bool) else None,
+        "precision": run["precision"],
+        "seed": run["seed"],
+        "peak_activation": peak,
+    }
+
+
+def _diagnostics(module: Operation, graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    diagnosed = [g["name"] for g in graphs if g["kind"] == "train_diagnosed"]
+    out = []
+    for op in _exp_ops(module, "exp.diagnostic"):
+        attrs = op.attributes
+        enabled = bool(attrs.get("enabled", True))
+        out.append(
+            {
+                "name": attrs["name"],
+                "of": _plain(attrs["of"]),
+                "reducer": attrs["reducer"],
+                "every": attrs["every"],
+                "graphs": diagnosed if enabled else [],
+                "enabled": enabled,
+            }
+        )
+    return out
+
+
+def _precision(run: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+    kept: dict[str, dict[str, list[str]]] = {}
+    for entry in facts.get("kept_f32", []):
+        op = str(entry["op"]).removeprefix("graph.")
+        slot = kept.setdefault(op, {"paths": [], "graphs": []})
+        for key, value in (("paths", entry.get("path") or "-"), ("graphs", entry["graph"])):
+            if value not in slot[key]:
+                slot[key].append(value)
+    return {
+        "policy": run["precision"],
+        "casts": sum(facts.get("casts", {}).values()),
+        "kept_f32": [{"op": op, "paths": v["paths"], "graphs": v["graphs"]} for op, v in kept.items()],
+    }
+
+
+def build_document(module: Operation, facts: dict[str, Any], path: str | None) -> dict[str, Any]:
+    """The explain document of an evaluated experiment module and the facts its passes left."""
+    params = _exp_ops(module, "exp.param")
+    run = _plain(_one(module, "exp.run").attributes)
+    funcs = [op for op in module.body.ops if op.name == "graph.func"]
+    graphs_by_kind: dict[str, Operation] = {}
+    for func in funcs:
+        graphs_by_kind.setdefault(func.attributes.get("kind", ""), func)
+    parameters = _parameters(params)
+    elements_of = {leaf["path"]: leaf["elements"] for m in parameters["modules"] for leaf in m["leaves"]}
+    graphs = _graphs(funcs, facts.get("casts", {}))
+    return {
+        "file": display_path(path) if path else "<input>",
+        "version": __version__,
+        "selection": _selection(module),
+        "parameters": parameters,
+        "groups": _groups(_exp_ops(module, "exp.group"), elements_of),
+        "graphs": graphs,
+        "step": _step(module, run, graphs_by_kind, facts),
+        "diagnostics": _diagnostics(module, graphs),
+        "precision": _precision(run, facts),
+        "device": None,
+    }
+
+
+# -- the text ---------------------------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[str]], indent: int, right: Sequence[int] = (), min_widths: Sequence[int] = ()) -> list[str]:
+    """Rows as aligned columns two spaces apart; columns listed in `right` align right."""
+    if not rows:
+        return []
+    ncols = max(len(r) for r in rows)
+    widths = [max((len(r[c]) for r in rows if c < len(r)), default=0) for c in range(ncols)]
+    for c, w in enumerate(min_widths):
+        widths[c] = max(widths[c], w)
+    lines = []
+    for row in rows:
+        cells = []
+        for c, cell in enumerate(row):
+            last = c == len(row) - 1
+            if c in right:
+                cells.append(cell.rjust(widths[c]))
+            else:
+                cells.append(cell if last else cell.ljust(widths[c]))
+        lines.append(" " * indent + "  ".join(cells).rstrip())
+    return lines
+
+
+def _show_constants(constants: list[Any]) -> str:
+    if not constants:
+        return "none"
+    shown = ", ".join(show_value(c) for c in constants[:CONSTANTS_SHOWN])
+    if len(constants) > CONSTANTS_SHOWN:
+        shown += f", ... ({len(constants)} in all)"
+    return shown
+
+
+def _show_states(group: dict[str, Any]) -> str:
+    return "states " + (", ".join(s["name"] for s in group["states"]) or "none")
+
+
+def _show_of(of: Any) -> str:
+    if isinstance(of, dict):
+        return f"{of.get('kind', '')} {of.get('glob', '')}".strip()
+    return str(of)
+
+
+def _render_selection(doc: dict[str, Any]) -> list[str]:
+    sel = doc["selection"]
+    rows = [["variant", show_value(sel["variant"])]]
+    rows += [[k["name"], show_value(k["value"]), k["source"]] for k in sel["knobs"]]
+    return ["selection:", *_table(rows, 2, min_widths=(0, 10))]
+
+
+def _render_parameters(doc: dict[str, Any]) -> list[str]:
+    p = doc["parameters"]
+    lines = [f"parameters: {p['count']}, {human_count(p['elements'])} elements, {mib(p['master_bytes'])} as f32 master weights"]
+    rows: list[list[str]] = []
+    for module in p["modules"]:
+        rows.append(["  " + module["name"], human_count(module["elements"])])
+        for leaf in module["leaves"]:
+            rows.append(
+                ["    " + leaf["name"], show_shape(leaf["shape"]), leaf["dtype"], human_count(leaf["elements"]), leaf["group"]]
+            )
+    # Module totals sit in the shape column; leaves' element counts align right.
+    lines += _table(rows, 0, right=(3,))
+    lines.append("  groups:")
+    count_width = max((len(str(g["params"])) for g in doc["groups"]), default=0)
+    group_rows = [
+        [
+            g["name"],
+            # "1 param " and "12 params" share a column: the count right, the word left.
+            f"{g['params']:>{count_width}} {'param ' if g['params'] == 1 else 'params'}",
+            human_count(g["elements"]),
+            _show_states(g),
+            human_count(g["state_elements"]),
+            "constants " + _show_constants(g["constants"]),
+        ]
+        for g in doc["groups"]
+    ]
+    lines += _table(group_rows, 4, right=(2, 4))
+    return lines
+
+
+def _render_graphs(doc: dict[str, Any]) -> list[str]:
+    lines = ["graphs:"]
+    for g in doc["graphs"]:
+        count = f"{plural(len(g['symbols']), 'graph')}, " if g["kind"] == "update" else ""
+        lines.append(
+            f"  {g['name']}  {count}{g['nodes']} nodes, {plural(g['casts'], 'cast')} added by the "
+            f"{doc['step']['precision']} policy"
+        )
+        ops = ", ".join(f"{o['family']} {o['count']}" for o in g["ops"]) or "none"
+        emits = ", ".join(f"{e['kind']} {e['name']}" for e in g["emits"]) or "none"
+        lines += _table([["ops", ops], ["emits", emits]], 4, min_widths=(7,))
+        lines.append("    largest tensors:")
+        shown = g["largest"] if g["kind"] == "train" else g["largest"][:LARGEST_SHOWN_OTHER]
+        rows = [
+            [human_count(t["elements"]), show_shape(t["shape"]), t["dtype"], t["op"], t["loc"] or "-"] for t in shown
+        ]
+        lines += _table(rows, 6, right=(0,))
+    return lines
+
+
+def step_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """The `training step:` rows as [label, text]; diff compares these."""
+    s = doc["step"]
+    micro = plural(s["microbatches"], "microbatch", "microbatches")
+    rows = [["records", f"{micro} of {s['batch']} = {s['records_per_step']} per step, {plural(s['steps'], 'step')}"]]
+    for c in s["counters"]:
+        text = f"{c['per_step']} per step (static)" if c["static"] else "counted as the run goes (not static)"
+        rows.append([f"counter {c['name']}", text])
+    for e in s["evaluations"]:
+        rows.append(
+            ["evaluation", f"{e['name']}: every {plural(e['every'], 'step')}, the whole loader in batches of {e['batch']}"]
+        )
+    if not s["evaluations"]:
+        rows.append(["evaluation", "none"])
+    rows.append(["checkpoints", f"every {plural(s['checkpoints'], 'step')}" if s["checkpoints"] else "none"])
+    rows.append(["precision", f"{s['precision']}, seed {s['seed']}"])
+    peak = s["peak_activation"]
+    if peak is None:
+        rows.append(["peak activation", "not planned (the pipeline ran no plan-memory)"])
+    else:
+        rows.append(
+            [
+                "peak activation",
+                f"<= {mib(peak['bytes'])} for one microbatch, an upper bound: nothing reused in place; "
+                f"parameters {mib(peak['param_bytes'])} and gradients {mib(peak['grad_bytes'])} besides",
+            ]
+        )
+    return rows
+
+
+def _render_diagnostics(doc: dict[str, Any]) -> list[str]:
+    if not doc["diagnostics"]:
+        return ["diagnostics: none"]
+    rows = [
+        [
+            d["name"],
+            f"{d['reducer']} of {_show_of(d['of'])}",
+            f"every {plural(d['every'], 'step')}",
+            ", ".join(d["graphs"]) or "-",
+            "on" if d["enabled"] else "off",
+        ]
+        for d in doc["diagnostics"]
+    ]
+    return ["diagnostics:", *_table(rows, 2)]
+
+
+def _render_precision(doc: dict[str, Any]) -> list[str]:
+    p = doc["precision"]
+    if p["policy"] == "f32":
+        summary = f"f32: everything runs in f32, {plural(p['casts'], 'cast')} added"
+    else:
+        summary = (
+            f"{p['policy']} compute; parameters and optimizer states stay f32 master weights; "
+            f"{plural(p['casts'], 'cast')} added"
+        )
+    lines = ["precision:", f"  {summary}"]
+    if p["kept_f32"]:
+        lines.append("  kept f32:")
+        rows = [[k["op"], ", ".join(compress_paths(k["paths"])), "in " + ", ".join(k["graphs"])] for k in p["kept_f32"]]
+        lines += _table(rows, 4)
+    return lines
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """The explain report, rendered from the document alone."""
+    p, s = doc["parameters"], doc["step"]
+    header = (
+        f"{doc['file']}: {plural(p['count'], 'parameter')}, {plural(s['steps'], 'step')}, "
+        f"precision {s['precision']}  (sexpgpu-frontend {doc['version']})"
+    )
+    device = doc["device"]
+    sections = [
+        [header],
+        _render_selection(doc),
+        _render_parameters(doc),
+        _render_graphs(doc),
+        ["training step:", *_table(step_rows(doc), 2)],
+        _render_diagnostics(doc),
+        _render_precision(doc),
+        [DEVICE_HOLE] if device is None else [device["report"].rstrip("\n")],
+    ]
+    return "\n\n".join("\n".join(lines) for lines in sections) + "\n"

@@ -1,0 +1,232 @@
+"""The explain document, its text, diff and the streamed IR document, on experiments built by hand."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
+from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
+
+from sexpgpu import report
+from sexpgpu.diagnostics import Location
+
+SCHEMAS = Path(report.__file__).parent / "schemas"
+
+
+def _loc(line: int) -> Location:
+    return Location("tiny.sx", line, 3)
+
+
+def _exp(module: Operation, op_name: str, line: int, **attrs: Any) -> None:
+    module.body.append(Operation.create(op_name, attributes=attrs, loc=_loc(line)))
+
+
+def _func(module: Operation, name: str, kind: str, **attrs: Any) -> Builder:
+    func = Operation.create("graph.func", attributes={"sym_name": name, "kind": kind, **attrs},
+                            regions=[Region.with_block()], loc=_loc(1))
+    module.body.append(func)
+    return Builder(func.body, loc=_loc(40))
+
+
+def _input(b: Builder, name: str, role: str, shape: tuple[int, ...], dtype: str = "f32") -> Value:
+    return b.create("graph.input", [], {"name": name, "role": role}, result_types=[TensorType(shape, dtype)]).result
+
+
+def _const(b: Builder, value: Any, dtype: str = "f32") -> Value:
+    return b.create("graph.const", [], {"value": value}, result_types=[TensorType((), dtype)]).result
+
+
+PARAMS = {"model.fc.weight": (4, 8), "model.fc.bias": (8,), "model.out.weight": (8, 3)}
+
+
+def _forward(b: Builder, batch: int, loss_name: str, counter: bool) -> Value:
+    w, bias, out = (_input(b, path, "param", shape) for path, shape in PARAMS.items())
+    x = _input(b, "x", "batch", (batch, 4))
+    _input(b, "y", "batch", (batch,), "i32")
+    h = b.value("graph.matmul", x, w, loc=_loc(21))
+    wide = b.value("graph.broadcast", bias, shape=[batch, 8], loc=_loc(22))
+    act = b.value("graph.tanh", b.value("graph.add", h, wide, loc=_loc(22)), loc=_loc(23))
+    logits = b.value("graph.matmul", act, out, loc=_loc(24))
+    loss = b.value("graph.sum", b.value("graph.mul", logits, logits, loc=_loc(25)), axes=[0, 1], keep=False, loc=_loc(25))
+    if counter:
+        b.create("graph.counter", [_const(b, batch, "i32")], {"name": "records"}, loc=_loc(19))
+    b.create("graph.metric", [loss], {"name": loss_name}, loc=_loc(26))
+    return loss
+
+
+def tiny_experiment(lr: float = 0.5, lr_source: str = "default", extra_layer: bool = False) -> Operation:
+    """A three-parameter experiment with every section explain shows; counts below are by hand."""
+    module = Operation.create("builtin.module", regions=[Region.with_block()])
+    _exp(module, "exp.selection", 1, variant="smoke",
+         knobs={"lr": [lr, lr_source], "hidden": [8, "variant"], "seed": [1, "default"]})
+    params = dict(PARAMS)
+    if extra_layer:
+        params["model.extra.weight"] = (3, 3)
+    for path, shape in params.items():
+        group = "model.fc.*" if path.startswith("model.fc.") else "default"
+        _exp(module, "exp.param", 10, path=path, type=TensorType(shape, "f32"),
+             init={"kind": "normal", "std": 0.02}, group=group)
+    _exp(module, "exp.loader", 3, name="train-loader", source={"kind": "synthetic-tokens", "vocab": 16},
+         fields=[{"name": "x", "shape": [4], "dtype": "f32"}], batch=2, shuffle=True, seed=1)
+    _exp(module, "exp.loader", 4, name="val-loader", source={"kind": "synthetic-tokens", "vocab": 16},
+         fields=[{"name": "x", "shape": [4], "dtype": "f32"}], batch=3, shuffle=False, seed=1)
+    _exp(module, "exp.group", 30, name="model.fc.*", optimizer="adamw", members=["model.fc.weight", "model.fc.bias"],
+         hyper={"lr": lr}, clip=None, states={"m": 40, "v": 40}, constants=[0.0, 1e-08, 0.1, lr, 0.999])
+    default_members = [p for p in params if not p.startswith("model.fc.")]
+    _exp(module, "exp.group", 30, name="default", optimizer="sgd", members=default_members,
+         hyper={"lr": lr}, clip=None, states={"momentum": sum(_numel(params[p]) for p in default_members)},
+         constants=sorted([0.0, lr, 0.9]))
+    _exp(module, "exp.evaluation", 33, name="eval", loader="val-loader", every=5, graph="eval")
+    _exp(module, "exp.diagnostic", 35, name="grad-rms", of={"kind": "grads", "glob": "model.*"}, reducer="rms",
+         every=2, enabled=True)
+    _exp(module, "exp.diagnostic", 36, name="act-max", of={"kind": "observed", "glob": "model.act"},
+         reducer="max", every=10, enabled=False)
+    _exp(module, "exp.run", 38, steps=10, loader="train-loader", microbatches=3, precision="f32", seed=1,
+         checkpoints=None, evaluations=["eval"], diagnostics=["grad-rms"])
+
+    b = _func(module, "train", "train")
+    loss = _forward(b, 2, "train/loss", counter=True)
+    if extra_layer:
+        _input(b, "model.extra.weight", "param", (3, 3))
+    b.create("graph.return", [loss], {"names": ["loss"]})
+    b = _func(module, "train/diagnosed", "train_diagnosed")
+    loss = _forward(b, 2, "train/loss", counter=True)
+    b.create("graph.return", [loss], {"names": ["loss"]})
+    b = _func(module, "eval", "evaluation")
+    loss = _forward(b, 3, "val/loss", counter=False)
+    b.create("graph.return", [], {"names": []})
+    for path, shape in params.items():
+        group = "model.fc.*" if path.startswith("model.fc.") else "default"
+        b = _func(module, f"update/{group}/{path}", "update", group=group, param=path)
+        p = _input(b, "param", "param", shape)
+        g = _input(b, "grad", "grad", shape)
+        step = b.value("graph.mul", g, b.value("graph.broadcast", _const(b, lr), shape=list(shape)))
+        b.create("graph.return", [b.value("graph.sub", p, step)], {"names": ["param"]})
+    module.verify()
+    return module
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+FACTS = {
+    "casts": {"train": 0, "eval": 0},
+    "memory": {"train": {"peak_bytes": 3 * 2**20 + 2**19, "param_bytes": 204, "grad_bytes": 204, "largest": []}},
+}
+
+
+def tiny_document(**kwargs: Any) -> dict[str, Any]:
+    return report.build_document(tiny_experiment(**kwargs), copy.deepcopy(FACTS), "tiny.sx")
+
+
+# -- the document -----------------------------------------------------------------------------
+
+
+def test_document_counts_equal_hand_counts():
+    doc = tiny_document()
+    params = doc["parameters"]
+    assert params["count"] == 3
+    assert params["elements"] == 32 + 8 + 24
+    assert params["master_bytes"] == 64 * 4
+    assert [leaf["name"] for leaf in params["modules"][0]["leaves"]] == ["fc.weight", "fc.bias", "out.weight"]
+    fc, default = doc["groups"]
+    assert (fc["params"], fc["elements"], fc["state_elements"]) == (2, 40, 80)
+    assert (default["params"], default["elements"], default["state_elements"]) == (1, 24, 24)
+    assert default["constants"] == [0.0, 0.5, 0.9]
+    train = doc["graphs"][0]
+    assert train["name"] == "train"
+    # 5 inputs, 1 const, 1 unary, 2 binary, 1 reduce, 1 shape, 2 contract, 2 emits; the return is no node.
+    assert train["nodes"] == 15
+    assert [(o["family"], o["count"]) for o in train["ops"]] == [
+        ("input", 5), ("const", 1), ("unary", 1), ("binary", 2), ("reduce", 1), ("shape", 1), ("contract", 2), ("emit", 2),
+    ]
+    assert train["emits"] == [{"kind": "counter", "name": "records"}, {"kind": "metric", "name": "train/loss"}]
+    assert train["largest"][0] == {"elements": 32, "shape": [4, 8], "dtype": "f32", "op": "input", "loc": "tiny.sx:40"}
+    assert len(train["largest"]) == report.LARGEST_KEPT
+    update = next(g for g in doc["graphs"] if g["name"] == "update model.fc.*")
+    assert update["symbols"] == ["update/model.fc.*/model.fc.weight", "update/model.fc.*/model.fc.bias"]
+    assert update["nodes"] == 2 * 6
+    step = doc["step"]
+    assert (step["microbatches"], step["batch"], step["records_per_step"]) == (3, 2, 6)
+    assert step["counters"] == [{"name": "records", "per_step": 6, "static": True}]
+    assert step["evaluations"] == [{"name": "eval", "every": 5, "loader": "val-loader", "batch": 3}]
+    assert [d["enabled"] for d in doc["diagnostics"]] == [True, False]
+    assert doc["diagnostics"][0]["graphs"] == ["train diagnosed"]
+    assert doc["device"] is None
+
+
+def test_document_validates_against_schema():
+    schema = json.loads((SCHEMAS / "explain.schema.json").read_text())
+    doc = tiny_document()
+    jsonschema.validate(json.loads(json.dumps(doc)), schema)
+
+
+def test_text_sections_in_order():
+    text = report.render_text(tiny_document())
+    heads = [line for line in text.splitlines() if line and not line.startswith(" ")]
+    assert heads == [
+        "tiny.sx: 3 parameters, 10 steps, precision f32  (sexpgpu-frontend 0.1.0)",
+        "selection:", "parameters: 3, 64 elements, 0.0 MiB as f32 master weights", "graphs:", "training step:",
+        "diagnostics:", "precision:", report.DEVICE_HOLE,
+    ]
+    assert "  records          3 microbatches of 2 = 6 per step, 10 steps" in text
+    assert "  counter records  6 per step (static)" in text
+    assert "  evaluation       eval: every 5 steps, the whole loader in batches of 3" in text
+    assert "  peak activation  <= 3.5 MiB for one microbatch" in text
+
+
+def test_text_numbers_match_document():
+    """Every number the text shows for parameters and graphs is the document's, rendered."""
+    doc = tiny_document()
+    text = report.render_text(doc)
+    for g in doc["graphs"]:
+        assert f"  {g['name']}  " in text
+        assert f"{g['nodes']} nodes" in text
+        ops = ", ".join(f"{o['family']} {o['count']}" for o in g["ops"])
+        assert f"    ops      {ops}" in text
+    for module in doc["parameters"]["modules"]:
+        for leaf in module["leaves"]:
+            row = re.search(rf"^    {re.escape(leaf['name'])} +(\[.*?\]) +(\w+) +(\S+) +(\S+)$", text, re.M)
+            assert row is not None, leaf["name"]
+            assert row.groups() == (report.show_shape(leaf["shape"]), leaf["dtype"],
+                                    report.human_count(leaf["elements"]), leaf["group"])
+
+
+def test_selection_columns_align():
+    lines = report.render_text(tiny_document()).splitlines()
+    start = lines.index("selection:")
+    assert lines[start + 1 : start + 5] == [
+        "  variant  smoke",
+        "  lr       0.5         default",
+        "  hidden   8           variant",
+        "  seed     1           default",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("n", "shown"),
+    [(1040, "1040"), (9999, "9999"), (10_000, "10k"), (393_216, "393k"), (786_432, "786k"), (6_438_912, "6.44M"),
+     (13_300_000, "13.3M"), (999_600, "1M"), (124_000_000_000, "124G")],
+)
+def test_human_count(n, shown):
+    assert report.human_count(n) == shown
+
+
+def test_constants_elide_after_eight():
+    assert report._show_constants([float(i) for i in range(10)]) == "0, 1, 2, 3, 4, 5, 6, 7, ... (10 in all)"
+    assert report._show_constants([0.0, 1e-10, 0.05]) == "0, 1e-10, 0.05"
+
+
+def test_compress_paths():
+    paths = [f"model.blocks.{i}.attn" for i in range(12)] + ["model.norm", "model.blocks.0.mlp", "model.blocks.2.mlp"]
+    assert report.compress_paths(paths) == ["model.blocks.{0..11}.attn", "model.norm", "model.blocks.{0,2}.mlp"]
