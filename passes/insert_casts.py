@@ -1,0 +1,171 @@
+"""`insert-casts{policy=bf16}`: the mixed-precision policy as explicit `graph.cast` ops.
+
+Option `policy`: `f32`, `bf16`, or `auto` (the default: the `precision` of
+the module's exp.run, `f32` when there is none). `f32` adds no cast.
+
+`bf16` rewrites the graphs of kind train, train_accumulating, train_stacked,
+train_diagnosed and evaluation (update and clip graphs are untouched). Walking
+each graph in block order, a value is *f32-kept* when it is the result of a
+reduction (`sum`, `max`, `min`), of a pointwise op with an f32-kept operand,
+or of a shape or index op whose data operand is f32-kept. Then:
+
+- `matmul` runs in bf16: f32 operands are cast to bf16;
+- a pointwise op (unary, binary, `where`) with an f32-kept float operand runs
+  in f32 (bf16 operands cast to f32), any other pointwise op runs in bf16;
+  this keeps the `exp`/`sub`/`div` around softmax and normalization
+  reductions, log-softmax, the loss and whatever reduced values feed, in f32;
+- a reduction runs in f32 (a bf16 operand is cast to f32 first);
+- compare and concat ops with mixed operands promote them to f32;
+- metric, counter and observe operands are cast to f32;
+- every float output is returned f32, so a graph's signature is unchanged:
+  parameters (master weights, role param) stay f32 inputs and gradients
+  `grad/<path>` are returned f32.
+
+A value is cast to a dtype at most once per graph (the cast is placed before
+its first user and reused) and carries its user's `path` attribute. Facts:
+`unit.facts["casts"] = {graph: casts added}` for every rewritten graph,
+`unit.facts["kept_f32"] = [{"graph", "op", "path"}]`, one entry per distinct
+(graph, op kind such as "reduce sum" or "unary exp", model path) that runs in
+f32, and `unit.facts["cast_policy"]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import define
+from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation, Value
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from sexpgpu.diagnostics import SxError
+
+POLICIES = ("auto", "f32", "bf16")
+CAST_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
+POINTWISE = ("unary", "binary", "select")
+PASSTHROUGH = ("shape", "index")
+
+
+@define
+class GraphCaster:
+    """Applies the bf16 policy to one graph (see the module docstring)."""
+
+    func: Operation
+    casts: dict[tuple[int, str], Value]
+    kept: set[int]
+    added: int = 0
+
+    @classmethod
+    def of(cls, func: Operation) -> GraphCaster:
+        return cls(func, {}, set())
+
+    def cast(self, user: Operation, index: int, dtype: str) -> None:
+        value = user.operands[index]
+        if value.type.dtype not in FLOAT_DTYPES or value.type.dtype == dtype:
+            return
+        key = (id(value), dtype)
+        if key not in self.casts:
+            attrs: dict[str, Any] = {"dtype": dtype}
+            if "path" in user.attributes:
+                attrs["path"] = user.attributes["path"]
+            self.casts[key] = (
+                Builder(self.func.body, anchor=user).create("graph.cast", [value], attrs, loc=user.loc).result
+            )
+            self.added += 1
+        user.set_operand(index, self.casts[key])
+
+    def is_kept(self, value: Value) -> bool:
+        return id(value) in self.kept
+
+    def float_operands(self, op: Operation) -> list[int]:
+        return [i for i, v in enumerate(op.operands) if v.type.dtype in FLOAT_DTYPES]
+
+    def rewrite(self, op: Operation) -> bool:
+        """Cast the operands of `op` per the policy; True when it runs in f32 by the keep rule."""
+        family = op.family
+        floats = self.float_operands(op)
+        kept = False
+        if family == "contract":
+            for i in floats:
+                self.cast(op, i, "bf16")
+        elif family in POINTWISE and floats:
+            kept = any(self.is_kept(op.operands[i]) for i in floats)
+            for i in floats:
+                self.cast(op, i, "f32" if kept else "bf16")
+        elif family == "reduce":
+            kept = True
+            self.cast(op, 0, "f32")
+        elif family == "compare" or op.name == "graph.concat":
+            if len({op.operands[i].type.dtype for i in floats}) > 1:
+                for i in floats:
+                    self.cast(op, i, "f32")
+        elif family == "emit" or op.name == "graph.return":
+            for i in floats:
+                self.cast(op, i, "f32")
+        if family in PASSTHROUGH and op.operands:
+            data = (
+                op.operands[1]
+                if op.name in ("graph.scatter_add", "graph.scatter_add_along")
+                else op.operands[0]
+            )
+            if self.is_kept(data):
+                self.kept.update(id(r) for r in op.results)
+        if kept:
+            self.kept.update(id(r) for r in op.results)
+        opdef = op.opdef
+        inferred = opdef.infer([v.type for v in op.operands], op.attributes) if opdef is not None else None
+        if inferred is not None:
+            for result, type_ in zip(op.results, inferred):
+                result.type = type_
+        return kept
+
+
+def op_kind(op: Operation) -> str:
+    """`reduce sum`, `unary exp`, ...: an op's family and short name."""
+    return f"{op.family} {op.name.removeprefix('graph.')}"
+
+
+@define
+class InsertCasts(Pass):
+    """Makes the precision policy explicit with casts; records counts and where f32 is kept.
+
+    Guarantees: graphs verify, keep their input and output types, and under
+    bf16 every matmul takes bf16 operands and every reduction f32 ones.
+    """
+
+    name = "insert-casts"
+    summary = "the precision policy (f32 or bf16 compute with f32 master weights) as explicit casts"
+
+    policy: str = "auto"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = unit.module
+        if module is None:
+            raise SxError("insert-casts needs IR: run 'evaluate' first on a .sx file")
+        if self.policy not in POLICIES:
+            raise SxError(f"insert-casts: unknown policy '{self.policy}' (known: {', '.join(POLICIES)})")
+        policy = self.policy
+        if policy == "auto":
+            runs = [op for op in module.body.ops if op.name == "exp.run"]
+            policy = runs[0].attributes["precision"] if runs else "f32"
+        counts: dict[str, int] = unit.facts.setdefault("casts", {})
+        kept_f32: list[dict[str, Any]] = unit.facts.setdefault("kept_f32", [])
+        unit.facts["cast_policy"] = policy
+        for func in module.body.ops:
+            if func.name != "graph.func" or func.attributes.get("kind") not in CAST_KINDS:
+                continue
+            name = func.attributes["sym_name"]
+            if policy == "f32":
+                counts[name] = 0
+                continue
+            caster = GraphCaster.of(func)
+            seen: set[tuple[str, Any]] = set()
+            for op in list(func.body.ops):
+                if caster.rewrite(op):
+                    key = (op_kind(op), op.attributes.get("path"))
+                    if key not in seen:
+                        seen.add(key)
+                        kept_f32.append({"graph": name, "op": key[0], "path": key[1]})
+            counts[name] = caster.added
+
+
+register_pass(InsertCasts)
