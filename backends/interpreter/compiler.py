@@ -87,8 +87,11 @@ class CompiledGraph:
         outputs: list[tuple[str, int, bool]],
         emits: list[tuple[str, str, int]],
         register_count: int,
+        buffer_stats: tuple[int, int],
     ) -> None:
         self.name = name
+        #: How many values live in reused buffers, and the bytes those buffers take.
+        self.buffered_values, self.buffer_bytes = buffer_stats
         self.inputs = inputs
         self._constants = constants
         self._steps = steps
@@ -191,7 +194,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     # Emit slots live past the value registers (negative indices count from the end).
     return CompiledGraph(_func_name(func), inputs, constants, steps, outputs,
                          [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
-                         len(registers) + emit_registers)
+                         len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes))
 
 
 def _func_name(func: Operation) -> str:
@@ -288,6 +291,8 @@ class _MemoryPlan:
                 self._releases.setdefault(end, []).append(v)
         self._free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
         self._held: dict[int, list[tuple[Value, np.ndarray]]] = {}
+        self.buffered_values = 0
+        self.buffer_bytes = 0
 
     def is_shared(self, value: Value) -> bool:
         """Whether the value's storage outlives a call, so a caller must get a copy."""
@@ -312,10 +317,16 @@ class _MemoryPlan:
         if value not in self.escaping:
             key = (value.type.shape, policy.storage(value.type.dtype))
             pool = self._free.get(key)
-            buffer = pool.pop() if pool else np.empty(key[0], key[1])
+            buffer = pool.pop() if pool else self._allocate(*key)
+            self.buffered_values += 1
             self._held.setdefault(self.storage_end[value], []).append((value, buffer))
         if not in_place:
             self._free_dying(position)
+        return buffer
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        buffer = np.empty(shape, dtype)
+        self.buffer_bytes += buffer.nbytes
         return buffer
 
     def _free_dying(self, position: int) -> None:
