@@ -1,0 +1,77 @@
+"""`sexpgpu plot DIR`: the metrics of a run record over steps, as a PNG (see docs/verbs/run.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sexpgpu.backends.events import read_events
+
+from sexpgpu.diagnostics import SxError, display_path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="a run record (the --out directory of sexpgpu run)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="where to write the PNG (default: DIR/metrics.png)")
+
+
+def metric_series(events: list[dict]) -> dict[str, dict[int, float]]:
+    """Metric name → {step: value}, train metrics from `step` events and evaluations' from `eval` events.
+
+    A resumed run appends to the log, so a step may appear twice; the later
+    line wins, as it is the one the final parameters descend from.
+    """
+    series: dict[str, dict[int, float]] = {}
+    for event in events:
+        if event.get("type") not in ("step", "eval"):
+            continue
+        for name, value in event.get("metrics", {}).items():
+            if value is not None:
+                series.setdefault(name, {})[int(event["step"])] = float(value)
+    return series
+
+
+def panel_of(metric: str) -> str:
+    """Metrics sharing a last name component (`train/loss`, `val/loss`) share a panel."""
+    return metric.rsplit("/", 1)[-1]
+
+
+def plot(run_dir: Path, output: Path) -> Path:
+    log = run_dir / "events.jsonl"
+    if not log.is_file():
+        raise SxError(f"{display_path(str(run_dir))} is not a run record: it has no events.jsonl")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SxError("sexpgpu plot needs matplotlib; install it with: pip install 'sexpgpu[plot]'") from None
+    series = metric_series(read_events(log))
+    if not series:
+        raise SxError(f"{display_path(str(log))} holds no metrics yet")
+    panels: dict[str, list[str]] = {}
+    for name in series:
+        panels.setdefault(panel_of(name), []).append(name)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), squeeze=False, sharex=True)
+    for ax, (panel, names) in zip(axes[:, 0], panels.items()):
+        for name in names:
+            steps = sorted(series[name])
+            values = [series[name][s] for s in steps]
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
+        ax.set_ylabel(panel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("step")
+    figure.suptitle(display_path(str(run_dir)))
+    figure.tight_layout()
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+    return output
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.dir)
+    output = plot(run_dir, Path(args.output) if args.output else run_dir / "metrics.png")
+    print(f"wrote {display_path(str(output))}")
+    return 0

@@ -1,0 +1,42 @@
+"""`sexpgpu run FILE`: train the experiment (see docs/verbs/run.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sexpgpu.backends.training import DEVICES, train
+
+from sexpgpu.diagnostics import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="the experiment (.sx)")
+    parser.add_argument("--device", choices=DEVICES, default=os.environ.get("SEXPGPU_DEVICE") or "cpu",
+                        help="where to train (default: $SEXPGPU_DEVICE or cpu)")
+    parser.add_argument("--out", metavar="DIR", help="the run record directory (default: runs/<file-stem>-<time>)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from a run directory's latest checkpoint, or from one checkpoints/step-N")
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`--set knob=value` flags → {knob: value text}; the frontend parses each by its knob's type."""
+    sets: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise UsageError(f"--set takes KNOB=VALUE, not '{item}'")
+        sets[name.strip()] = value.strip()
+    return sets
+
+
+def run(args: argparse.Namespace) -> int:
+    result = train(args.file, variant=args.variant, sets=parse_sets(args.set), out=args.out, resume=args.resume,
+                   device=args.device)
+    if result.status == "diverged":
+        print(f"error: training diverged at {result.message}", file=sys.stderr)
+        return 1
+    if result.status == "interrupted":
+        return 130
+    return 0
