@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
 from pathlib import Path
@@ -230,3 +231,47 @@ def test_constants_elide_after_eight():
 def test_compress_paths():
     paths = [f"model.blocks.{i}.attn" for i in range(12)] + ["model.norm", "model.blocks.0.mlp", "model.blocks.2.mlp"]
     assert report.compress_paths(paths) == ["model.blocks.{0..11}.attn", "model.norm", "model.blocks.{0,2}.mlp"]
+
+
+# -- the IR document --------------------------------------------------------------------------
+
+
+def _ir_text(compact: bool = False, module: Operation | None = None) -> str:
+    from sexpgpu.passes.ir_json import write_ir
+    from sexpgpu.passes.manager import CompilationUnit
+
+    unit = CompilationUnit(module=module or tiny_experiment())
+    out = io.StringIO()
+    write_ir(unit, out, compact)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_ir_document_validates_and_holds_every_op(compact):
+    text = _ir_text(compact)
+    assert ("\n" in text.rstrip("\n")) is not compact
+    doc = json.loads(text)
+    jsonschema.validate(doc, json.loads((SCHEMAS / "ir.schema.json").read_text()))
+    module = tiny_experiment()
+    funcs = [op for op in module.body.ops if op.name == "graph.func"]
+    assert [g["name"] for g in doc["graphs"]] == [f.attributes["sym_name"] for f in funcs]
+    for func, g in zip(funcs, doc["graphs"]):
+        assert [o["op"] for o in g["ops"]] == [op.name for op in func.body.ops]
+    train = doc["graphs"][0]["ops"]
+    matmul = next(o for o in train if o["op"] == "graph.matmul")
+    assert matmul["operands"] == [3, 0]
+    assert matmul["results"] == [{"id": 5, "type": {"shape": [2, 8], "dtype": "f32"}}]
+    assert matmul["loc"] == {"file": "tiny.sx", "line": 21, "col": 3}
+    assert [p["path"] for p in doc["parameters"]] == list(PARAMS)
+    assert doc["parameters"][0]["type"] == {"shape": [4, 8], "dtype": "f32"}
+    assert doc["groups"][0]["update_graphs"] == ["update/model.fc.*/model.fc.weight", "update/model.fc.*/model.fc.bias"]
+    assert doc["manifest"]["selection"]["knobs"]["lr"] == [0.5, "default"]
+
+
+def test_ir_writes_nonfinite_floats_as_strings():
+    module = tiny_experiment()
+    b = Builder(next(op for op in module.body.ops if op.name == "graph.func").body)
+    b.anchor = b.block.last_op
+    b.create("graph.const", [], {"value": float("-inf")}, result_types=[TensorType((), "f32")])
+    doc = json.loads(_ir_text(module=module))
+    assert any(o["attributes"].get("value") == "-inf" for o in doc["graphs"][0]["ops"])

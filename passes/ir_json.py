@@ -1,0 +1,267 @@
+"""`ir-json{compact=false}`: the whole experiment as one JSON document, streamed to `unit.out`.
+
+The document (`sexpgpu/schemas/ir.schema.json`) holds the manifest (tool
+version, selection, the source files read with their sha256), the run
+configuration, the parameters, loaders, optimizer groups (each naming its
+update graphs), evaluations, diagnostics, and every graph with every op:
+operands and results by value id, result shapes and dtypes, attributes and
+location.
+
+It is written op by op and never held whole: a full-size model's document
+runs to hundreds of megabytes. Each op is one line of the pretty form (the
+structure around the ops is indented); `compact=true` drops the newlines and
+indentation. Non-finite floats, which JSON lacks, are written as the strings
+"inf", "-inf" and "nan".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TextIO
+
+from attrs import define
+from sexpgpu.dialects.core import Operation, SymbolRef, TensorType, Value
+
+from sexpgpu import __version__
+from sexpgpu.diagnostics import Location, SxError, display_path
+
+from .manager import CompilationUnit, Pass, register_pass
+
+FORMAT = "sexpgpu-ir"
+FORMAT_VERSION = 1
+#: Op lines gathered before one write to the stream.
+FLUSH_LINES = 2048
+
+#: Top-level document keys holding lists of exp ops' attributes, in document order.
+EXP_LISTS = (("parameters", "exp.param"), ("loaders", "exp.loader"), ("evaluations", "exp.evaluation"),
+             ("diagnostics", "exp.diagnostic"))
+
+
+def plain(value: Any) -> Any:
+    """An attribute value as JSON data: tensor types as shape and dtype, symbols by name."""
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, TensorType):
+        return {"shape": list(value.shape), "dtype": value.dtype}
+    if isinstance(value, SymbolRef):
+        return value.name
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _unknown_type(value: Any) -> Any:
+    """The `default` hook of the fast encoder: attribute types JSON lacks become plain data."""
+    if isinstance(value, (TensorType, SymbolRef)):
+        return plain(value)
+    return str(value)
+
+
+def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
+    """The files the experiment was read from, with the sha256 of their bytes.
+
+    `evaluate` records what it read as `facts["experiment"]["files"]`; a unit
+    parsed from textual IR has only its own file.
+    """
+    files = unit.facts.get("experiment", {}).get("files") or ([unit.path] if unit.path else [])
+    out = []
+    for path in files:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        out.append({"path": display_path(path), "sha256": digest})
+    return out
+
+
+class _Writer:
+    """Writes JSON pieces to a stream, pretty (indented) or compact."""
+
+    def __init__(self, out: TextIO, compact: bool) -> None:
+        self.out = out
+        self.compact = compact
+        separators = self.separators
+        self._fast = json.JSONEncoder(separators=separators, allow_nan=False, default=_unknown_type, ensure_ascii=False)
+        self._safe = json.JSONEncoder(separators=separators, ensure_ascii=False)
+
+    @property
+    def separators(self) -> tuple[str, str]:
+        return (",", ":") if self.compact else (", ", ": ")
+
+    def encode(self, value: Any) -> str:
+        """One value on one line; the C encoder unless a non-finite float needs converting."""
+        try:
+            return self._fast.encode(value)
+        except ValueError:
+            return self._safe.encode(plain(value))
+
+    def newline(self, depth: int) -> str:
+        return "" if self.compact else "\n" + "  " * depth
+
+    def key(self, name: str) -> str:
+        return json.dumps(name) + self.separators[1]
+
+    def members(self, items: Iterator[tuple[str, Any]], depth: int) -> None:
+        """`"key": value` members of an object whose braces the caller writes; values are encoded or callables."""
+        first = True
+        for name, value in items:
+            self.out.write(("" if first else ",") + self.newline(depth) + self.key(name))
+            first = False
+            if callable(value):
+                value(depth)
+            else:
+                self.out.write(self.encode(value))
+
+    def array(self, lines: Iterator[str], depth: int) -> None:
+        """An array of already encoded items, one per line, written in batches."""
+        self.out.write("[")
+        lead = self.newline(depth + 1)
+        item_sep = "," + lead
+        batch: list[str] = []
+        wrote = False
+        for line in lines:
+            batch.append(line)
+            if len(batch) >= FLUSH_LINES:
+                self.out.write(("," if wrote else "") + lead + item_sep.join(batch))
+                wrote, batch = True, []
+        if batch:
+            self.out.write(("," if wrote else "") + lead + item_sep.join(batch))
+            wrote = True
+        self.out.write((self.newline(depth) if wrote else "") + "]")
+
+
+@define
+class _GraphEncoder:
+    """Encodes one graph's ops, numbering its values 0, 1, ... in definition order."""
+
+    writer: _Writer
+    ids: dict[Value, int]
+    types: dict[TensorType, str]
+    locs: dict[Location, str]
+
+    def type_of(self, t: TensorType) -> str:
+        text = self.types.get(t)
+        if text is None:
+            text = self.types[t] = self.writer.encode({"shape": list(t.shape), "dtype": t.dtype})
+        return text
+
+    def loc_of(self, loc: Location | None) -> str:
+        if loc is None:
+            return "null"
+        text = self.locs.get(loc)
+        if text is None:
+            text = self.locs[loc] = self.writer.encode(
+                {"file": display_path(loc.file), "line": loc.line, "col": loc.col}
+            )
+        return text
+
+    def op_line(self, op: Operation) -> str:
+        ids = self.ids
+        c, k = self.writer.separators
+        results = []
+        for r in op.results:
+            ids[r] = len(ids)
+            results.append(f'{{"id"{k}{ids[r]}{c}"type"{k}{self.type_of(r.type)}}}')
+        operands = c.join(str(ids[v]) for v in op.operands)
+        attrs = self.writer.encode(op.attributes) if op.attributes else "{}"
+        return (
+            f'{{"op"{k}"{op.name}"{c}"operands"{k}[{operands}]{c}"results"{k}[{c.join(results)}]{c}'
+            f'"attributes"{k}{attrs}{c}"loc"{k}{self.loc_of(op.loc)}}}'
+        )
+
+
+def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
+    """Stream the unit's experiment document to `out` (see the module docstring)."""
+    module = unit.module
+    if module is None:
+        raise SxError("ir-json needs IR: run 'evaluate' first on a .sx file")
+    top = list(module.body.ops)
+    by_name: dict[str, list[Operation]] = {}
+    for op in top:
+        by_name.setdefault(op.name, []).append(op)
+    funcs = by_name.get("graph.func", [])
+    selection = by_name.get("exp.selection", [])
+    runs = by_name.get("exp.run", [])
+    w = _Writer(out, compact)
+    types: dict[TensorType, str] = {}
+    locs: dict[Location, str] = {}
+
+    def exp_list(ops: list[Operation]) -> Callable[[int], None]:
+        return lambda depth: w.array((w.encode(op.attributes) for op in ops), depth)
+
+    def groups(depth: int) -> None:
+        updates: dict[str, list[str]] = {}
+        for func in funcs:
+            if func.attributes.get("kind") == "update":
+                updates.setdefault(func.attributes.get("group", ""), []).append(func.attributes["sym_name"])
+        lines = (
+            w.encode({**op.attributes, "update_graphs": updates.get(op.attributes["name"], [])})
+            for op in by_name.get("exp.group", [])
+        )
+        w.array(lines, depth)
+
+    def graph(func: Operation) -> Any:
+        def body(depth: int) -> None:
+            w.out.write("{")
+            encoder = _GraphEncoder(w, {}, types, locs)
+            w.members(
+                iter(
+                    [
+                        ("name", func.attributes["sym_name"]),
+                        ("kind", func.attributes.get("kind")),
+                        ("attributes", func.attributes),
+                        ("loc", json.loads(encoder.loc_of(func.loc))),
+                        ("ops", lambda d: w.array((encoder.op_line(op) for op in func.body.ops), d)),
+                    ]
+                ),
+                depth + 1,
+            )
+            w.out.write(w.newline(depth) + "}")
+
+        return body
+
+    def graphs(depth: int) -> None:
+        w.out.write("[")
+        for i, func in enumerate(funcs):
+            w.out.write(("," if i else "") + w.newline(depth + 1))
+            graph(func)(depth + 1)
+        w.out.write((w.newline(depth) if funcs else "") + "]")
+
+    manifest = {
+        "tool": f"sexpgpu {__version__}",
+        "file": display_path(unit.path) if unit.path else None,
+        "files": source_files(unit),
+        "selection": selection[0].attributes if selection else {"variant": unit.variant, "knobs": {}},
+    }
+    members: list[tuple[str, Any]] = [
+        ("format", FORMAT),
+        ("version", FORMAT_VERSION),
+        ("manifest", manifest),
+        ("run", runs[0].attributes if runs else None),
+    ]
+    members += [(key, exp_list(by_name.get(name, []))) for key, name in EXP_LISTS]
+    members += [("groups", groups), ("graphs", graphs)]
+    out.write("{")
+    w.members(iter(members), 1)
+    out.write(w.newline(0) + "}\n")
+
+
+@register_pass
+@define
+class IrJsonPass(Pass):
+    name: ClassVar[str] = "ir-json"
+    summary: ClassVar[str] = "dump the whole experiment as a JSON document, streamed (compact=true: one line)"
+
+    compact: bool = False
+
+    def run(self, unit: CompilationUnit) -> None:
+        write_ir(unit, unit.out, self.compact)
+        unit.dumped = True
