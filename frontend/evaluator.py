@@ -1181,7 +1181,7 @@ def _and_or(is_and: bool):
         nodes = [ev.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
 
         def node(f: list) -> Any:
-            value: Any = is_and
+            value: Any = True if is_and else None
             for n in nodes:
                 value = n(f)
                 if truthy(value) != is_and:

@@ -157,6 +157,10 @@ class _Reader:
         expected = 0
         for m in _scanner().finditer(text):
             if m.start() != expected:
+                # Nothing scans at `expected`: only comments and whitespace left (finditer then
+                # matched inside a comment), or an error.
+                if _skipper().match(text, expected).end() == len(text):
+                    break
                 self._unscannable(expected)
             expected = pos = m.end()
             kind = m.lastgroup
