@@ -317,6 +317,6 @@ def constant_value(op: Operation, policy: DtypePolicy) -> np.ndarray:
     else:
         raw = op.attributes["value"]
         value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(result.shape, raw, storage)
-    value = np.ascontiguousarray(value)
+    value = np.array(value, order="C")  # a contiguous copy (ascontiguousarray would make scalars 1-d)
     value.flags.writeable = False
     return value

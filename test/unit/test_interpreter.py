@@ -198,7 +198,10 @@ def test_casts():
 
 
 def test_constants():
-    out = run({}, lambda g: {"splat": g.const(0.5, [2, 2]), "list": g.const([[1, 2], [3, 4]], [2, 2], "i32")}, {})
+    out = run({}, lambda g: {"splat": g.const(0.5, [2, 2]), "list": g.const([[1, 2], [3, 4]], [2, 2], "i32"),
+                             "scalar": g.const(8.0), "iota": g.iota(shape=[3], axis=0)}, {})
+    assert out["scalar"].shape == ()
+    np.testing.assert_array_equal(out["iota"], [0, 1, 2])
     close(out["splat"], np.full((2, 2), 0.5, np.float32))
     np.testing.assert_array_equal(out["list"], [[1, 2], [3, 4]])
 

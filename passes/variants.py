@@ -1,0 +1,278 @@
+"""Variants of the train graph: `accumulate`, `stack`, `diagnose`.
+
+Each clones `@train` (the `graph.func` with `kind = "train"`) into a sibling
+graph placed right after it; `diagnose` also strips observations from
+`@train`. `accumulate` and `stack` need the gradient outputs of `autodiff`;
+so does a `grads` diagnostic.
+
+- `accumulate` → `@train_accumulating {kind = "train_accumulating"}`: one more
+  `graph.input {role = "grad", name = "grad/<path>"}` per gradient output
+  (named like the output, so a caller feeds the previous call's outputs back
+  unchanged); each `grad/<path>` output is that input plus the fresh gradient.
+- `stack{k=4}` → `@train_stacked {kind = "train_stacked", k}`: the same
+  inputs, except each batch field has a leading dimension k (microbatch i is
+  `field[i]`). The graph runs k copies of train, one per microbatch, sharing
+  the params. Outputs: `loss` (and any other float non-gradient output) is the
+  mean over the k microbatches; `grad/<path>` is the *sum* of the k
+  microbatch gradients, exactly what k `@train_accumulating` calls add up, so
+  a driver divides by the step's microbatch count once whichever graph it
+  used. Metrics are averaged over the k copies, counters summed, observations
+  dropped (diagnostics run on `@train_diagnosed`).
+- `diagnose` → `@train_diagnosed {kind = "train_diagnosed"}` when at least
+  one `exp.diagnostic` is enabled: train plus, for each enabled diagnostic and
+  each tensor it selects, `graph.observe {name = "<diagnostic>:<path>"}` of one
+  f32 scalar (reducers: mean, rms, max, min, norm = √Σx²). A diagnostic's
+  `of = {kind, glob}` selects observed tensors (by the `name` of their
+  `graph.observe`), gradients (by param path) or params (by path). Globs are
+  fnmatch patterns whose `*` matches any run of characters, dots included
+  (`model.blocks.*` matches `model.blocks.0.attn.qkv.weight`). The raw
+  observations are removed from both graphs: `@train` carries none.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from attrs import define
+from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
+from sexpgpu.passes.autodiff import GRAD_PREFIX, func_name
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from sexpgpu.diagnostics import SxError
+
+REDUCERS = ("mean", "rms", "max", "min", "norm")
+EMITS = ("graph.metric", "graph.counter", "graph.observe")
+
+
+# -- shared: finding and cloning the train graph ------------------------------------------------
+
+
+def train_graph(module: Operation, needs_grads: bool = False) -> Operation:
+    """The module's `graph.func` with kind = "train"."""
+    for op in module.body.ops:
+        if op.name == "graph.func" and op.attributes.get("kind") == "train":
+            if needs_grads and not any(n.startswith(GRAD_PREFIX) for n in op.body.last_op.attributes["names"]):
+                raise SxError(f"@{func_name(op)} has no gradient outputs: run 'autodiff' first", op.loc)
+            return op
+    raise SxError("the module has no graph.func with kind = \"train\"")
+
+
+def new_graph(module: Operation, after: Operation, name: str, **attributes) -> Operation:
+    """An empty `graph.func @name` with these attributes, placed right after `after`."""
+    func = Operation.create("graph.func", attributes={**attributes, "sym_name": name},
+                            regions=[Region.with_block()], loc=after.loc)
+    existing = [op for op in module.body.ops if op.name == "graph.func" and func_name(op) == name]
+    for old in existing:
+        old.erase()
+    module.body.insert_after(func, after)
+    return func
+
+
+def copy_op(op: Operation, values: dict[Value, Value], builder: Builder) -> Operation:
+    """A copy of `op` at the builder's insertion point, its operands mapped through `values`."""
+    copy = builder.create(op.name, [values[v] for v in op.operands], dict(op.attributes),
+                          result_types=[r.type for r in op.results], loc=op.loc)
+    for old, new in zip(op.results, copy.results):
+        values[old] = new
+    return copy
+
+
+def clone_graph(module: Operation, train: Operation, name: str, skip: Iterable[str] = (), **attributes) -> Operation:
+    """A copy of `train` named `name`, without the ops named in `skip`."""
+    func = new_graph(module, train, name, **{**train.attributes, **attributes})
+    builder = Builder(func.body)
+    values: dict[Value, Value] = {}
+    skipped = set(skip)
+    for op in train.body.ops:
+        if op.name not in skipped:
+            copy_op(op, values, builder)
+    return func
+
+
+def strip_observations(func: Operation) -> None:
+    for op in list(func.body.ops):
+        if op.name == "graph.observe":
+            op.erase()
+
+
+# -- accumulate ---------------------------------------------------------------------------------
+
+
+@register_pass
+@define
+class Accumulate(Pass):
+    """Adds `@train_accumulating`, which adds its fresh gradients into the previous ones."""
+
+    name = "accumulate"
+    summary = "clone @train into @train_accumulating, adding previous gradients (inputs grad/<path>)"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = _module(unit, self.name)
+        build_accumulating(module, train_graph(module, needs_grads=True))
+
+
+def build_accumulating(module: Operation, train: Operation) -> Operation:
+    func = clone_graph(module, train, "train_accumulating", kind="train_accumulating")
+    ret = func.body.last_op
+    inputs = [op for op in func.body.ops if op.name == "graph.input"]
+    builder = Builder(func.body, anchor=inputs[-1].next_op if inputs else func.body.first_op)
+    for index, name in enumerate(ret.attributes["names"]):
+        if not name.startswith(GRAD_PREFIX):
+            continue
+        fresh = ret.operands[index]
+        previous = builder.create("graph.input", [], {"name": name, "role": "grad"}, result_types=[fresh.type],
+                                  loc=fresh.op.loc if fresh.op else ret.loc).result
+        total = Builder(func.body, anchor=ret, loc=ret.loc).value("graph.add", previous, fresh)
+        ret.set_operand(index, total)
+    return func
+
+
+# -- stack --------------------------------------------------------------------------------------
+
+
+@register_pass
+@define
+class Stack(Pass):
+    """Adds `@train_stacked`: k microbatches in one graph (batch fields get a leading k)."""
+
+    name = "stack"
+    summary = "clone @train into @train_stacked running k microbatches (summed grads, mean loss and metrics)"
+    k: int = 4
+
+    def run(self, unit: CompilationUnit) -> None:
+        if self.k < 1:
+            raise SxError(f"stack needs k ≥ 1, got {self.k}")
+        module = _module(unit, self.name)
+        build_stacked(module, train_graph(module, needs_grads=True), self.k)
+
+
+def build_stacked(module: Operation, train: Operation, k: int) -> Operation:
+    func = new_graph(module, train, "train_stacked", **{**train.attributes, "kind": "train_stacked", "k": k})
+    builder = Builder(func.body)
+    shared: dict[Value, Value] = {}
+    stacked: dict[Value, Value] = {}
+    for op in train.body.ops:
+        if op.name != "graph.input":
+            continue
+        t = op.result.type
+        if op.attributes["role"] == "batch":
+            stacked[op.result] = builder.create(op.name, [], dict(op.attributes),
+                                                result_types=[t.with_shape((k,) + t.shape)], loc=op.loc).result
+        else:
+            copy_op(op, shared, builder)
+    ret = train.body.last_op
+    outputs: list[list[Value]] = [[] for _ in ret.operands]
+    emitted: dict[tuple[str, str], list[Value]] = {}
+    for i in range(k):
+        values = dict(shared)
+        for field, whole in stacked.items():
+            builder.loc = field.op.loc
+            one = builder.value("graph.slice", whole, axis=0, start=i, end=i + 1)
+            values[field] = builder.value("graph.squeeze", one, axis=0)
+        for op in train.body.ops:
+            if op.name in EMITS:
+                emitted.setdefault((op.name, op.attributes["name"]), []).append(values[op.operands[0]])
+            elif op.name not in ("graph.input", "graph.return"):
+                copy_op(op, values, builder)
+        for index, value in enumerate(ret.operands):
+            outputs[index].append(values[value])
+    builder.loc = ret.loc
+    results = [_combine(builder, copies, averaged=not name.startswith(GRAD_PREFIX))
+               for name, copies in zip(ret.attributes["names"], outputs)]
+    for (kind, name), copies in emitted.items():
+        if kind != "graph.observe":
+            builder.create(kind, [_combine(builder, copies, averaged=kind == "graph.metric")], {"name": name})
+    builder.create("graph.return", results, dict(ret.attributes), loc=ret.loc)
+    return func
+
+
+def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
+    """The sum of the per-microbatch copies, or their mean when `averaged` and float."""
+    total = copies[0]
+    for value in copies[1:]:
+        total = builder.value("graph.add", total, value)
+    if averaged and len(copies) > 1 and total.type.dtype in FLOAT_DTYPES:
+        scale = builder.create("graph.const", [], {"value": 1.0 / len(copies)}, result_types=[total.type]).result
+        total = builder.value("graph.mul", total, scale)
+    return total
+
+
+# -- diagnose -----------------------------------------------------------------------------------
+
+
+@register_pass
+@define
+class Diagnose(Pass):
+    """Strips observations from @train; adds `@train_diagnosed` with the enabled diagnostics' reductions."""
+
+    name = "diagnose"
+    summary = "strip observations from @train; add @train_diagnosed emitting each diagnostic's scalar reductions"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = _module(unit, self.name)
+        diagnostics = [op for op in module.body.ops if op.name == "exp.diagnostic" and op.attributes.get("enabled", True)]
+        needs_grads = any(d.attributes["of"]["kind"] == "grads" for d in diagnostics)
+        train = train_graph(module, needs_grads=needs_grads)
+        if diagnostics:
+            build_diagnosed(module, train, diagnostics)
+        strip_observations(train)
+
+
+def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Operation]) -> Operation:
+    func = clone_graph(module, train, "train_diagnosed", kind="train_diagnosed")
+    tensors = _diagnosable(func)
+    strip_observations(func)
+    builder = Builder(func.body, anchor=func.body.last_op)
+    for diagnostic in diagnostics:
+        name, of, reducer = (diagnostic.attributes[a] for a in ("name", "of", "reducer"))
+        if reducer not in REDUCERS:
+            raise SxError(f"diagnostic {name}: unknown reducer '{reducer}' (one of {', '.join(REDUCERS)})",
+                          diagnostic.loc)
+        if of["kind"] not in tensors:
+            raise SxError(f"diagnostic {name}: cannot observe '{of['kind']}' (observed, grads or params)",
+                          diagnostic.loc)
+        builder.loc = diagnostic.loc
+        for path, value in tensors[of["kind"]].items():
+            if fnmatch.fnmatchcase(path, of["glob"]):
+                builder.create("graph.observe", [reduce_to_scalar(builder, value, reducer)],
+                               {"name": f"{name}:{path}"})
+    return func
+
+
+def _diagnosable(func: Operation) -> dict[str, dict[str, Value]]:
+    """The tensors a diagnostic may select, by kind and path."""
+    ret = func.body.last_op
+    found: dict[str, dict[str, Value]] = {"observed": {}, "grads": {}, "params": {}}
+    for op in func.body.ops:
+        if op.name == "graph.observe":
+            found["observed"][op.attributes["name"]] = op.operands[0]
+        elif op.name == "graph.input" and op.attributes["role"] == "param":
+            found["params"][op.attributes["name"]] = op.result
+    for name, value in zip(ret.attributes["names"], ret.operands):
+        if name.startswith(GRAD_PREFIX):
+            found["grads"][name[len(GRAD_PREFIX):]] = value
+    return found
+
+
+def reduce_to_scalar(builder: Builder, value: Value, reducer: str) -> Value:
+    """One f32 scalar summarizing `value` by `reducer` (mean, rms, max, min or norm)."""
+    if value.type.dtype != "f32":
+        value = builder.value("graph.cast", value, dtype="f32")
+    axes = list(range(value.type.rank))
+    if reducer in ("max", "min"):
+        return builder.value(f"graph.{reducer}", value, axes=axes, keep=False)
+    if reducer in ("rms", "norm"):
+        value = builder.value("graph.mul", value, value)
+    total = builder.value("graph.sum", value, axes=axes, keep=False)
+    if reducer in ("mean", "rms"):
+        count = builder.create("graph.const", [], {"value": float(max(value.type.numel, 1))},
+                               result_types=[TensorType((), "f32")]).result
+        total = builder.value("graph.div", total, count)
+    return builder.value("graph.sqrt", total) if reducer in ("rms", "norm") else total
+
+
+def _module(unit: CompilationUnit, pass_name: str) -> Operation:
+    if unit.module is None:
+        raise SxError(f"{pass_name} needs IR: run 'evaluate' first on a .sx file")
+    return unit.module
