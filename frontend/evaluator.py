@@ -590,6 +590,7 @@ class Evaluator:
         sets: list[str] | None = None,
     ) -> None:
         from . import builtins as _library  # noqa: F401  (registers the standard builtins)
+        from . import experiment as _experiment  # noqa: F401  (the experiment forms, tensors and the prelude)
 
         self.globals: dict[str, Any] = {name: Symbol(name) for name in SELF_EVALUATING_NAMES}
         self.globals.update(BUILTINS)

@@ -1,0 +1,799 @@
+"""The experiment forms (language.md §3) and the traced experiment they add up to.
+
+Each evaluator session gets an `Experiment` (see `install`, run for every new
+`Evaluator`): the special forms below fill it as the file is evaluated, and
+`Experiment.build()` then traces `prepare` + `objective` into `graph.func
+@train` and each evaluation of the run into its own `graph.func`, and writes
+the `exp` ops that `dialects/exp.py` documents.
+
+What the forms print under `sexpgpu eval`: `defknobs`, a variant's name,
+`name = #<loader 1 fields, batch 4>`, `name = #<optimizer adamw>`, an
+evaluation's or a diagnostic's name, `defrun = #<run 300 steps>`.
+
+Choices the spec leaves open: an optimizer group whose glob matches no
+parameter is a warning (a variant may drop the parameters it names); a
+diagnostic whose glob matches nothing is an error (it could never report
+anything); a loader field no graph reads is a warning. Counters and
+observations are recorded in the train graph only: evaluation graphs carry
+their metrics. The train graph keeps every `graph.observe`; the `diagnose`
+pass decides which the diagnosed graph needs and removes them from `train`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+from sexpgpu.dialects.core import Operation, Region, SymbolRef, TensorType
+
+from sexpgpu.diagnostics import Location, SxError, warn
+
+from . import modules
+from .data import Keyword, SxList, Symbol, TensorLike
+from .evaluator import (
+    SESSION_HOOKS,
+    Builtin,
+    BuiltinError,
+    Closure,
+    Defined,
+    Env,
+    invoke,
+    register_builtin,
+    register_special_form,
+)
+from .modules import Init, ModelTree, Param, Shown, symbol_arg
+from .printing import show
+from .reader import read_file
+from .selection import Knob, Selection, Variant, plain_value
+from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, describe, dtype_name, tracing
+
+PRELUDE_PATH = str(Path(__file__).with_name("prelude.sx"))
+
+REDUCERS = ("mean", "rms", "max", "min", "norm")
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
+    "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+    "sgd": {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+}
+
+
+# -- values the forms make ---------------------------------------------------------------------
+
+
+@define
+class Source:
+    """A loader's source: `{kind, path | vocab count seed branch, …}` as the loader backend takes it."""
+
+    kind: str
+    options: dict[str, Any]
+
+    def __sx_repr__(self) -> str:
+        return f"#<source {self.kind}>"
+
+
+@define
+class FieldDef:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@define
+class LoaderDef:
+    name: str
+    source: Source
+    fields: list[FieldDef]
+    batch: int
+    shuffle: bool
+    seed: int | None
+    loc: Location | None
+
+    def __sx_repr__(self) -> str:
+        return f"#<loader {len(self.fields)} fields, batch {self.batch}>"
+
+    def as_op(self) -> Operation:
+        return _exp_op(
+            "exp.loader",
+            self.loc,
+            name=self.name,
+            source={"kind": self.source.kind, **self.source.options},
+            fields=[{"name": f.name, "shape": list(f.shape), "dtype": NAME_OF_DTYPE[f.dtype]} for f in self.fields],
+            batch=self.batch,
+            shuffle=self.shuffle,
+            seed=self.seed,
+        )
+
+
+@define
+class Schedule:
+    """A learning-rate schedule as data; `build-updates` turns it into ops on the step."""
+
+    kind: str
+    options: dict[str, float]
+
+    def __sx_repr__(self) -> str:
+        return f"#<schedule {self.kind}>"
+
+    def as_attribute(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.options}
+
+
+@define
+class GroupSpec:
+    glob: str
+    hyper: dict[str, Any]
+    loc: Location | None
+
+    def __sx_repr__(self) -> str:
+        return f"#<group {self.glob}>"
+
+
+@define
+class OptimizerSpec:
+    kind: str
+    hyper: dict[str, Any]
+    clip: float | None
+    groups: list[GroupSpec]
+    loc: Location | None
+    name: str = ""
+
+    def __sx_repr__(self) -> str:
+        return f"#<optimizer {self.kind}>"
+
+
+@define
+class DiagnosticSource:
+    kind: str
+    glob: str
+
+    def __sx_repr__(self) -> str:
+        return f'#<{self.kind} "{self.glob}">'
+
+
+@define
+class EvaluationDef:
+    name: str
+    loader: LoaderDef
+    every: int
+    fn: Any
+    loc: Location | None
+
+    def __sx_repr__(self) -> str:
+        return f"#<evaluation {self.name}>"
+
+
+@define
+class DiagnosticDef:
+    name: str
+    of: DiagnosticSource
+    reducer: str
+    every: int
+    when: bool
+    loc: Location | None
+
+    def __sx_repr__(self) -> str:
+        return f"#<diagnostic {self.name}>"
+
+
+@define
+class Checkpoints:
+    every: int
+
+    def __sx_repr__(self) -> str:
+        return f"#<checkpoints every {self.every}>"
+
+
+@define
+class RunDef:
+    steps: int
+    loader: LoaderDef
+    microbatches: int
+    prepare: Any
+    objective: Any
+    optimizer: OptimizerSpec
+    evaluations: list[EvaluationDef]
+    diagnostics: list[DiagnosticDef]
+    checkpoints: int | None
+    precision: str
+    seed: int
+    loc: Location | None
+    #: Where each option was written, for errors about it.
+    option_locs: dict[str, Location | None] = field(factory=dict)
+
+    def __sx_repr__(self) -> str:
+        return f"#<run {self.steps} steps>"
+
+
+# -- the session's experiment ------------------------------------------------------------------
+
+
+@define
+class Experiment:
+    """Everything a file defines, in definition order, and the module built from it."""
+
+    selection: Selection
+    tree: ModelTree
+    loaders: dict[str, LoaderDef] = field(factory=dict)
+    optimizers: dict[str, OptimizerSpec] = field(factory=dict)
+    evaluations: dict[str, EvaluationDef] = field(factory=dict)
+    diagnostics: dict[str, DiagnosticDef] = field(factory=dict)
+    run: RunDef | None = None
+    #: Warnings found while building, each (message, location), also printed on standard error.
+    warnings: list[tuple[str, Location | None]] = field(factory=list)
+    #: Parameter path -> optimizer group name, after `build`.
+    groups: dict[str, str] = field(factory=dict)
+    #: Graph name -> its trace, after `build`.
+    traces: dict[str, Trace] = field(factory=dict)
+
+    @property
+    def params(self) -> dict[str, Param]:
+        return self.tree.params
+
+    def warn(self, message: str, loc: Location | None) -> None:
+        self.warnings.append((message, loc))
+        warn(message, loc)
+
+    # -- building --
+
+    def build(self, path: str) -> Operation:
+        """The `builtin.module` of the experiment: exp ops, then the train and evaluation graphs.
+
+        Tracing runs .sx code: call it inside `run_deep`, as the evaluator does.
+        """
+        run = self.run
+        if run is None:
+            raise SxError("the experiment has no defrun: add (defrun :steps … :loader … :objective … :optimizer …)", Location(path, 1, 1))
+        self.selection.check_command_line()
+        group_ops = self._group_ops(run.optimizer)
+        train = self._trace_train(run)
+        evaluations = [self._trace_evaluation(run, ev) for ev in run.evaluations]
+        module = Operation.create("builtin.module", regions=[Region.with_block()])
+        body = module.body
+        body.append(_exp_op(
+            "exp.selection",
+            self.selection.loc,
+            variant=self.selection.variant,
+            knobs={k: [plain_value(v), src] for k, (v, src) in self.selection.values.items()},
+        ))  # fmt: skip
+        for p in self.params.values():
+            body.append(_exp_op(
+                "exp.param", p.loc, path=p.path, type=TensorType(p.shape, p.dtype),
+                init=p.init.as_attribute(), group=self.groups[p.path],
+            ))  # fmt: skip
+        for loader in self.loaders.values():
+            body.append(loader.as_op())
+        for op in group_ops:
+            body.append(op)
+        for ev in run.evaluations:
+            body.append(_exp_op("exp.evaluation", ev.loc, name=ev.name, loader=ev.loader.name, every=ev.every, graph=SymbolRef(ev.name)))
+        listed = {d.name for d in run.diagnostics}
+        for diag in self.diagnostics.values():
+            self._check_diagnostic(diag, train)
+            body.append(_exp_op(
+                "exp.diagnostic", diag.loc, name=diag.name, of={"kind": diag.of.kind, "glob": diag.of.glob},
+                reducer=diag.reducer, every=diag.every, enabled=diag.name in listed and diag.when,
+            ))  # fmt: skip
+        body.append(_exp_op(
+            "exp.run", run.loc, steps=run.steps, loader=run.loader.name, microbatches=run.microbatches,
+            precision=run.precision, seed=run.seed, checkpoints=run.checkpoints,
+            evaluations=[e.name for e in run.evaluations], diagnostics=[d.name for d in run.diagnostics],
+        ))  # fmt: skip
+        body.append(train.func)
+        for trace in evaluations:
+            body.append(trace.func)
+        return module
+
+    def _group_ops(self, optimizer: OptimizerSpec) -> list[Operation]:
+        """Assign every parameter to the first group whose glob matches it; the rest is `default`."""
+        members: dict[str, list[str]] = {g.glob: [] for g in optimizer.groups}
+        members["default"] = []
+        for path in self.params:
+            group = next((g.glob for g in optimizer.groups if fnmatch.fnmatchcase(path, g.glob)), "default")
+            members[group].append(path)
+            self.groups[path] = group
+        ops = []
+        for g in [*optimizer.groups, None]:
+            name = g.glob if g is not None else "default"
+            if g is not None and not members[name]:
+                self.warn(f"optimizer group \"{name}\" matches no parameter", g.loc)
+            if g is None and not members[name] and optimizer.groups:
+                continue
+            hyper = {**OPTIMIZER_DEFAULTS[optimizer.kind], **optimizer.hyper, **(g.hyper if g else {})}
+            hyper["lr"] = _schedule_attribute(hyper["lr"])
+            ops.append(_exp_op(
+                "exp.group", g.loc if g else optimizer.loc, name=name, optimizer=optimizer.kind,
+                members=members[name], hyper=hyper, clip=optimizer.clip,
+            ))  # fmt: skip
+        return ops
+
+    def _batch(self, trace: Trace, loader: LoaderDef, loc: Location | None) -> dict[Keyword, Tensor]:
+        return {
+            Keyword(f.name): trace.input("batch", f.name, TensorType((loader.batch, *f.shape), f.dtype), loader.loc)
+            for f in loader.fields
+        }
+
+    def _inputs(self, trace: Trace, loader: LoaderDef) -> dict[Keyword, Tensor]:
+        """Every parameter (in definition order), then the loader's fields, as graph inputs."""
+        for p in self.params.values():
+            p.trace_value(trace, p.loc)
+        return self._batch(trace, loader, loader.loc)
+
+    def _prepared(self, run: RunDef, batch: dict[Keyword, Tensor]) -> Any:
+        if run.prepare is None:
+            return batch
+        return invoke(run.prepare, [batch], run.option_locs.get("prepare") or run.loc)
+
+    def _trace_train(self, run: RunDef) -> Trace:
+        trace = Trace("train", "train", run.loc)
+        with tracing(trace):
+            batch = self._inputs(trace, run.loader)
+            loc = run.option_locs.get("objective") or run.loc
+            loss = invoke(run.objective, [self._prepared(run, batch)], loc)
+            if not isinstance(loss, TensorLike) or getattr(loss, "shape", None) != ():
+                raise SxError(f"the objective must return a scalar loss tensor, got {describe(loss)}", loc)
+            loss_t = loss if isinstance(loss, Tensor) else loss.trace_value(trace, loc)  # type: ignore[attr-defined]
+            if loss_t.dtype not in ("f32", "bf16", "f16"):
+                raise SxError(f"the objective must return a float loss, got {NAME_OF_DTYPE.get(loss_t.dtype)}", loc)
+        self._warn_unused_fields(trace, run.loader)
+        trace.finish([("loss", loss_t)], loc)
+        self.traces["train"] = trace
+        return trace
+
+    def _trace_evaluation(self, run: RunDef, ev: EvaluationDef) -> Trace:
+        trace = Trace(ev.name, "evaluation", ev.loc, record_counters=False, record_observations=False)
+        with tracing(trace):
+            batch = self._inputs(trace, ev.loader)
+            invoke(ev.fn, [self._prepared(run, batch)], ev.loc)
+        if not trace.metrics:
+            self.warn(f"evaluation {ev.name} emits no metric: its function should call (metric name value)", ev.loc)
+        trace.finish([], ev.loc)
+        self.traces[ev.name] = trace
+        return trace
+
+    def _warn_unused_fields(self, trace: Trace, loader: LoaderDef) -> None:
+        for f in loader.fields:
+            if not trace.inputs[("batch", f.name)].value.has_uses:
+                self.warn(f"field {f.name} of loader {loader.name} is not used by prepare or the objective", loader.loc)
+
+    def _check_diagnostic(self, diag: DiagnosticDef, train: Trace) -> None:
+        names = train.observed if diag.of.kind == "observed" else list(self.params)
+        if not any(fnmatch.fnmatchcase(n, diag.of.glob) for n in names):
+            what = "observed tensor" if diag.of.kind == "observed" else "parameter"
+            known = ", ".join(sorted(set(names))[:6]) or "none"
+            raise SxError(f"diagnostic {diag.name}: \"{diag.of.glob}\" matches no {what} (there are: {known})", diag.loc)
+
+
+def _exp_op(op_name: str, loc: Location | None, **attributes: Any) -> Operation:
+    return Operation.create(op_name, attributes=attributes, loc=loc)
+
+
+def _schedule_attribute(lr: Any) -> Any:
+    if isinstance(lr, Schedule):
+        return lr.as_attribute()
+    if isinstance(lr, Init) and lr.kind == "constant":
+        return {"kind": "constant", "value": lr.args["value"]}
+    return float(lr)
+
+
+def experiment_of(env: Env) -> Experiment:
+    return env.evaluator.experiment  # type: ignore[attr-defined]
+
+
+def install(evaluator: Any) -> None:
+    """Session hook: a fresh experiment, the model tree, the initializers, then the prelude."""
+    modules.install(evaluator)
+    evaluator.experiment = Experiment(Selection(evaluator.variant, list(evaluator.sets)), evaluator.model_tree)
+    evaluator.load_prelude(PRELUDE_PATH)
+
+
+# -- option parsing ----------------------------------------------------------------------------
+
+
+def _options(env: Env, args: list, start: int, spec: dict[str, bool], what: str, raw: set[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Location | None]]:  # type: ignore[assignment]
+    """The `:key value` pairs of `args[start:]`, evaluated except the keys in `raw`.
+
+    `spec` maps each allowed key to whether it is required.
+    """
+    values: dict[str, Any] = {}
+    locs: dict[str, Location | None] = {}
+    i = start
+    while i < len(args):
+        key = args[i]
+        if not isinstance(key, Keyword):
+            raise SxError(f"{what}: expected an option (:name value), got {show(key)}", env.loc_of_arg(i))
+        if key.name not in spec:
+            from sexpgpu.diagnostics import nearest
+
+            hint = nearest(key.name, spec)
+            raise SxError(
+                f"{what}: unknown option :{key.name}" + (f"; did you mean :{hint}?" if hint else f" (options: {' '.join(':' + k for k in spec)})"),
+                env.loc_of_arg(i),
+            )
+        if i + 1 >= len(args):
+            raise SxError(f"{what}: option :{key.name} has no value", env.loc_of_arg(i))
+        if key.name in values:
+            raise SxError(f"{what}: option :{key.name} is given twice", env.loc_of_arg(i))
+        locs[key.name] = env.loc_of_arg(i + 1)
+        values[key.name] = args[i + 1] if key.name in raw else env.eval(args[i + 1], env.loc_of_arg(i + 1))
+        i += 2
+    for key, required in spec.items():
+        if required and key not in values:
+            raise SxError(f"{what} needs :{key}", env.form.loc)
+    return values, locs
+
+
+def _int(value: Any, what: str, loc: Location | None, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SxError(f"{what} must be an int ≥ {minimum}, got {show(value)}", loc)
+    return value
+
+
+def _float(value: Any, what: str, loc: Location | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SxError(f"{what} must be a number, got {show(value)}", loc)
+    return float(value)
+
+
+def _kind(value: Any, cls: type, what: str, expected: str, loc: Location | None) -> Any:
+    if not isinstance(value, cls):
+        raise SxError(f"{what} must be {expected}, got {show(value)}", loc)
+    return value
+
+
+# -- knobs and variants ------------------------------------------------------------------------
+
+
+def _defknobs(env: Env, args: list, loc: Location | None) -> Shown:
+    """`(defknobs (name default "doc") …)`: declare the knobs and bind each to its selected value."""
+    exp = experiment_of(env)
+    knobs = []
+    for i, clause in enumerate(args):
+        cloc = env.loc_of_arg(i)
+        if not isinstance(clause, SxList) or not clause or not isinstance(clause[0], Symbol) or len(clause) > 3:
+            raise SxError(f'expected a knob (name default "doc"), got {show(clause)}', cloc)
+        if len(clause) < 2:
+            raise SxError(f"knob {clause[0].name} needs a default value", cloc)
+        default = env.eval(clause[1], cloc)
+        doc = clause[2] if len(clause) == 3 else None
+        if doc is not None and not isinstance(doc, str):
+            raise SxError(f"the doc of knob {clause[0].name} must be a string", cloc)
+        knobs.append(Knob(clause[0].name, default, doc, cloc))
+    for variant in _variants_of(env, loc):
+        exp.selection.add_variant(variant)
+    values = exp.selection.select(knobs, loc)
+    for variant in exp.selection.variants.values():
+        exp.selection.check_variant(variant)
+    for name, value in values.items():
+        env.bind_global(name, value)
+    return Shown("defknobs")
+
+
+def _variants_of(env: Env, loc: Location | None) -> list[Variant]:
+    """The `defvariant` forms at the top level of the file being evaluated and of the one defining the knobs.
+
+    They are read ahead of evaluation because the selection is fixed when `defknobs` runs.
+    """
+    files = [f for f in dict.fromkeys([*env.evaluator.loading[:1], os.path.abspath(loc.file) if loc else None]) if f]
+    out = []
+    for path in files:
+        forms = read_file(path)
+        for form, floc in zip(forms, forms.locs):
+            if isinstance(form, SxList) and form and form[0] == Symbol("defvariant"):
+                out.append(_parse_variant(env, form, floc))
+    return out
+
+
+def _parse_variant(env: Env, form: SxList, loc: Location | None) -> Variant:
+    from .data import element_loc
+
+    if len(form) < 2 or not isinstance(form[1], Symbol):
+        raise SxError("expected (defvariant name :knob value …)", loc)
+    name = form[1].name
+    values: dict[str, Any] = {}
+    locs: dict[str, Location | None] = {}
+    items = form[2:]
+    if len(items) % 2:
+        raise SxError(f"variant {name}: expected :knob value pairs", loc)
+    for i in range(0, len(items), 2):
+        key, kloc = items[i], element_loc(form, i + 2)
+        if not isinstance(key, Keyword):
+            raise SxError(f"variant {name}: expected :knob, got {show(key)}", kloc)
+        locs[key.name] = kloc
+        values[key.name] = env.eval(items[i + 1], element_loc(form, i + 3))
+    return Variant(name, values, loc, locs)
+
+
+def _defvariant(env: Env, args: list, loc: Location | None) -> Shown:
+    """Checked and applied by `defknobs` (which reads variants ahead); here it only prints its name."""
+    exp = experiment_of(env)
+    name = symbol_arg(args, 0, env, "(defvariant name :knob value …)")
+    if not exp.selection.knobs:
+        raise SxError(f"variant {name} comes before defknobs: declare the knobs first", loc)
+    if name not in exp.selection.variants:
+        raise SxError(f"variant {name} is not at the top level of the file that declares the knobs", loc)
+    return Shown(name)
+
+
+# -- loaders -----------------------------------------------------------------------------------
+
+
+def _file_source(kind: str):
+    def make(loc: Location | None, path: Any, **options: Any) -> Source:
+        if not isinstance(path, str):
+            raise SxError(f"({kind} \"path\") needs a path string, got {show(path)}", loc)
+        extra = {k: (v.name if isinstance(v, Symbol) else v) for k, v in options.items()}
+        return Source(kind, {"path": path, **extra})
+
+    return make
+
+
+def _token_file(loc: Location | None, path: Any, *, dtype: Any = "u16") -> Source:
+    return _file_source("token-file")(loc, path, dtype=dtype)
+
+
+def _synthetic_tokens(loc: Location | None, *, vocab: Any, count: Any, seed: Any = 0, branch: Any = 4) -> Source:
+    return Source("synthetic-tokens", {
+        "vocab": _int(vocab, "synthetic-tokens :vocab", loc, 2),
+        "count": _int(count, "synthetic-tokens :count", loc),
+        "seed": _int(seed, "synthetic-tokens :seed", loc, 0),
+        "branch": _int(branch, "synthetic-tokens :branch", loc),
+    })  # fmt: skip
+
+
+def _defloader(env: Env, args: list, loc: Location | None) -> Defined:
+    """`(defloader name :source src :fields ((name [dims] dtype) …) :batch n :shuffle b :seed s)`."""
+    exp = experiment_of(env)
+    name = symbol_arg(args, 0, env, "(defloader name :source … :fields … :batch …)")
+    what = f"loader {name}"
+    opts, locs = _options(env, args, 1, {"source": True, "fields": True, "batch": True, "shuffle": False, "seed": False}, what, raw={"fields"})
+    source = _kind(opts["source"], Source, f"{what} :source", "(token-file …), (text-file …), (npy-file …) or (synthetic-tokens …)", locs["source"])
+    fields_form = opts["fields"]
+    if not isinstance(fields_form, list) or not fields_form:
+        raise SxError(f"{what}: :fields must be a list of (name [dims] dtype)", locs["fields"])
+    fields = []
+    for f in fields_form:
+        floc = getattr(f, "loc", None) or locs["fields"]
+        if not isinstance(f, SxList) or len(f) != 3 or not isinstance(f[0], Symbol):
+            raise SxError(f"{what}: a field is (name [dims] dtype), got {show(f)}", floc)
+        shape = env.eval(f[1], floc)
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise SxError(f"{what}: field {f[0].name} needs a vector of positive ints as its shape, got {show(shape)}", floc)
+        fields.append(FieldDef(f[0].name, tuple(shape), dtype_name(env.eval(f[2], floc), f"{what} field {f[0].name}", floc)))
+    batch = _int(opts["batch"], f"{what} :batch", locs["batch"])
+    seed = opts.get("seed")
+    if seed is not None:
+        seed = _int(seed, f"{what} :seed", locs["seed"], 0)
+    if name in exp.loaders:
+        raise SxError(f"loader {name} is defined twice (first at {exp.loaders[name].loc})", loc)
+    loader = exp.loaders[name] = LoaderDef(name, source, fields, batch, bool(opts.get("shuffle", False)), seed, loc)
+    env.bind_global(name, loader)
+    return Defined(name, loader)
+
+
+# -- optimizers --------------------------------------------------------------------------------
+
+_HYPER_KEYS = {"adamw": ("betas", "eps", "weight_decay"), "sgd": ("momentum", "nesterov", "weight_decay")}
+
+
+def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) -> dict[str, Any]:
+    hyper: dict[str, Any] = {}
+    for key, value in options.items():
+        shown = ":" + key.replace("_", "-")
+        if key == "lr":
+            if not isinstance(value, (Schedule, int, float)) or isinstance(value, bool):
+                if not (isinstance(value, Init) and value.kind == "constant"):
+                    raise SxError(f"{what} {shown} must be a number or a schedule, got {show(value)}", loc)
+            hyper["lr"] = value
+        elif key == "betas":
+            if not isinstance(value, list) or len(value) != 2:
+                raise SxError(f"{what} :betas must be [b1 b2], got {show(value)}", loc)
+            hyper["betas"] = [_float(b, f"{what} :betas", loc) for b in value]
+        elif key == "nesterov":
+            hyper["nesterov"] = bool(value)
+        elif key in ("eps", "weight_decay", "momentum"):
+            hyper[key] = _float(value, f"{what} {shown}", loc)
+        else:
+            raise SxError(f"{what}: {kind} has no option {shown}", loc)
+    return hyper
+
+
+def _optimizer(kind: str):
+    def make(loc: Location | None, *, lr: Any = None, clip: Any = None, groups: Any = None, **options: Any) -> OptimizerSpec:
+        if lr is None:
+            raise SxError(f"({kind} …) needs :lr (a number or a schedule)", loc)
+        allowed = {"lr", *_HYPER_KEYS[kind]}
+        for key in options:
+            if key not in allowed:
+                raise SxError(f"{kind} has no option :{key.replace('_', '-')} (options: :lr :clip :groups {' '.join(':' + k.replace('_', '-') for k in _HYPER_KEYS[kind])})", loc)
+        hyper = _hyper(loc, kind, {"lr": lr, **options}, kind)
+        group_list = list(groups or [])
+        for g in group_list:
+            _kind(g, GroupSpec, f"{kind} :groups", '(group "glob" :lr … )', loc)
+            for key in g.hyper:
+                if key not in allowed:
+                    raise SxError(f"group \"{g.glob}\": {kind} has no option :{key.replace('_', '-')}", g.loc)
+        clip_value = None if clip is None else _float(clip, f"{kind} :clip", loc)
+        return OptimizerSpec(kind, hyper, clip_value, group_list, loc)
+
+    return make
+
+
+def _group(loc: Location | None, glob: Any, **options: Any) -> GroupSpec:
+    if not isinstance(glob, str):
+        raise SxError(f'(group "glob" …) needs a glob string, got {show(glob)}', loc)
+    return GroupSpec(glob, _hyper(loc, "group", options, f'group "{glob}"'), loc)
+
+
+def _schedule(kind: str, keys: tuple[str, ...], required: tuple[str, ...]):
+    def make(loc: Location | None, peak: Any, **options: Any) -> Schedule:
+        values = {"peak": _float(peak, f"({kind} peak …) peak", loc)}
+        for key in required:
+            if key not in options:
+                raise SxError(f"({kind} …) needs :{key}", loc)
+        for key, value in options.items():
+            if key not in keys:
+                raise SxError(f"({kind} …) has no option :{key} (options: {' '.join(':' + k for k in keys)})", loc)
+            values[key] = _float(value, f"({kind} …) :{key}", loc)
+            if key in ("warmup", "steps"):
+                values[key] = int(_int(value, f"({kind} …) :{key}", loc, 0))
+        if kind != "linear-warmup":
+            values.setdefault("floor", 0.0)
+        return Schedule(kind, values)
+
+    return make
+
+
+def _defoptimizer(env: Env, args: list, loc: Location | None) -> Defined:
+    """`(defoptimizer name (adamw …))`."""
+    exp = experiment_of(env)
+    name = symbol_arg(args, 0, env, "(defoptimizer name (adamw …))")
+    if len(args) != 2:
+        raise SxError("expected (defoptimizer name (adamw …) )", loc)
+    spec = _kind(env.eval(args[1], env.loc_of_arg(1)), OptimizerSpec, f"optimizer {name}", "(adamw …) or (sgd …)", env.loc_of_arg(1))
+    spec.name = name
+    exp.optimizers[name] = spec
+    env.bind_global(name, spec)
+    return Defined(name, spec)
+
+
+# -- evaluations, diagnostics ------------------------------------------------------------------
+
+
+def _defevaluation(env: Env, args: list, loc: Location | None) -> Shown:
+    """`(defevaluation name :loader loader :every n :fn f)`."""
+    exp = experiment_of(env)
+    name = symbol_arg(args, 0, env, "(defevaluation name :loader … :every … :fn …)")
+    what = f"evaluation {name}"
+    opts, locs = _options(env, args, 1, {"loader": True, "every": True, "fn": True}, what)
+    loader = _kind(opts["loader"], LoaderDef, f"{what} :loader", "a loader (defined with defloader)", locs["loader"])
+    every = _int(opts["every"], f"{what} :every", locs["every"])
+    if name in exp.evaluations:
+        raise SxError(f"evaluation {name} is defined twice", loc)
+    ev = exp.evaluations[name] = EvaluationDef(name, loader, every, opts["fn"], loc)
+    env.bind_global(name, ev)
+    return Shown(name)
+
+
+def _diagnostic_source(kind: str):
+    def make(glob: Any) -> DiagnosticSource:
+        if not isinstance(glob, str):
+            raise BuiltinError(f'({kind} "glob") needs a glob string, got {show(glob)}')
+        return DiagnosticSource(kind, glob)
+
+    return make
+
+
+def _defdiagnostic(env: Env, args: list, loc: Location | None) -> Shown:
+    """`(defdiagnostic name :of (grads GLOB) :reducer rms :every n :when expr)`."""
+    exp = experiment_of(env)
+    name = symbol_arg(args, 0, env, "(defdiagnostic name :of … :reducer … :every …)")
+    what = f"diagnostic {name}"
+    opts, locs = _options(env, args, 1, {"of": True, "reducer": True, "every": True, "when": False}, what, raw={"reducer"})
+    of = _kind(opts["of"], DiagnosticSource, f"{what} :of", '(grads "glob"), (params "glob") or (observed "glob")', locs["of"])
+    reducer = opts["reducer"]
+    if not isinstance(reducer, Symbol) or reducer.name not in REDUCERS:
+        raise SxError(f"{what}: :reducer must be one of {', '.join(REDUCERS)}, got {show(reducer)}", locs["reducer"])
+    every = _int(opts["every"], f"{what} :every", locs["every"])
+    if name in exp.diagnostics:
+        raise SxError(f"diagnostic {name} is defined twice", loc)
+    when = opts.get("when", True)
+    diag = exp.diagnostics[name] = DiagnosticDef(name, of, reducer.name, every, when is not None and when is not False, loc)
+    env.bind_global(name, diag)
+    return Shown(name)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def _every(n: Any) -> Checkpoints:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BuiltinError(f"(every N) needs an int ≥ 1, got {show(n)}")
+    return Checkpoints(n)
+
+
+_RUN_OPTIONS = {
+    "steps": True, "loader": True, "microbatches": False, "prepare": False, "objective": True,
+    "optimizer": True, "evaluations": False, "diagnostics": False, "checkpoints": False,
+    "precision": False, "seed": False,
+}  # fmt: skip
+
+
+def _defrun(env: Env, args: list, loc: Location | None) -> Defined:
+    """`(defrun :steps … :loader … :objective … :optimizer … …)`: required, once per experiment."""
+    exp = experiment_of(env)
+    if exp.run is not None:
+        raise SxError(f"defrun appears twice (first at {exp.run.loc}): an experiment has one run", loc)
+    opts, locs = _options(env, args, 0, _RUN_OPTIONS, "defrun")
+    loader = _kind(opts["loader"], LoaderDef, "defrun :loader", "a loader (defined with defloader)", locs["loader"])
+    optimizer = _kind(opts["optimizer"], OptimizerSpec, "defrun :optimizer", "an optimizer (defined with defoptimizer)", locs["optimizer"])
+    for key in ("objective", "prepare"):
+        if opts.get(key) is not None and not isinstance(opts[key], (Closure, Builtin)):
+            raise SxError(f"defrun :{key} must be a function, got {show(opts[key])}", locs[key])
+    evaluations = [_kind(e, EvaluationDef, "defrun :evaluations", "a vector of evaluations (defevaluation)", locs["evaluations"]) for e in opts.get("evaluations") or []]
+    diagnostics = [_kind(d, DiagnosticDef, "defrun :diagnostics", "a vector of diagnostics (defdiagnostic)", locs["diagnostics"]) for d in opts.get("diagnostics") or []]
+    checkpoints = opts.get("checkpoints")
+    if isinstance(checkpoints, Symbol) and checkpoints.name == "none" or checkpoints is None:
+        every = None
+    elif isinstance(checkpoints, Checkpoints):
+        every = checkpoints.every
+    else:
+        raise SxError(f"defrun :checkpoints must be none or (every N), got {show(checkpoints)}", locs["checkpoints"])
+    precision = opts.get("precision", Symbol("f32"))
+    if not isinstance(precision, Symbol) or precision.name not in ("f32", "bf16"):
+        raise SxError(f"defrun :precision must be f32 or bf16, got {show(precision)}", locs.get("precision"))
+    run = exp.run = RunDef(
+        steps=_int(opts["steps"], "defrun :steps", locs["steps"]),
+        loader=loader,
+        microbatches=_int(opts.get("microbatches", 1), "defrun :microbatches", locs.get("microbatches")),
+        prepare=opts.get("prepare"),
+        objective=opts["objective"],
+        optimizer=optimizer,
+        evaluations=evaluations,
+        diagnostics=diagnostics,
+        checkpoints=every,
+        precision=precision.name,
+        seed=_int(opts.get("seed", 0), "defrun :seed", locs.get("seed"), 0),
+        loc=loc,
+        option_locs=locs,
+    )
+    return Defined("defrun", run)
+
+
+# -- emits -------------------------------------------------------------------------------------
+
+
+def _emit_form(kind: str):
+    def form(env: Env, args: list, loc: Location | None) -> Any:
+        if len(args) != 2 or not isinstance(args[0], Symbol):
+            raise SxError(f"expected ({kind} name value) with an unevaluated name", loc)
+        return EMITS[kind](loc, args[0].name, env.eval(args[1], env.loc_of_arg(1)))
+
+    return form
+
+
+# -- registration ------------------------------------------------------------------------------
+
+for _name, _form in {
+    "defknobs": _defknobs, "defvariant": _defvariant, "defloader": _defloader, "defoptimizer": _defoptimizer,
+    "defevaluation": _defevaluation, "defdiagnostic": _defdiagnostic, "defrun": _defrun,
+    "metric": _emit_form("metric"), "counter": _emit_form("counter"), "observe": _emit_form("observe"),
+}.items():  # fmt: skip
+    register_special_form(_name, _form)
+
+register_builtin("token-file", _token_file, loc=True, kwargs=True)
+register_builtin("text-file", _file_source("text-file"), loc=True)
+register_builtin("npy-file", _file_source("npy-file"), loc=True)
+register_builtin("synthetic-tokens", _synthetic_tokens, loc=True, kwargs=True)
+register_builtin("sgd", _optimizer("sgd"), loc=True, kwargs=True)
+register_builtin("adamw", _optimizer("adamw"), loc=True, kwargs=True)
+register_builtin("group", _group, loc=True, kwargs=True)
+register_builtin("linear-warmup", _schedule("linear-warmup", ("warmup",), ("warmup",)), loc=True, kwargs=True)
+register_builtin("cosine", _schedule("cosine", ("steps", "floor"), ("steps",)), loc=True, kwargs=True)
+register_builtin("warmup-cosine", _schedule("warmup-cosine", ("warmup", "steps", "floor"), ("warmup", "steps")), loc=True, kwargs=True)
+for _kind_name in ("grads", "params", "observed"):
+    register_builtin(_kind_name, _diagnostic_source(_kind_name))
+register_builtin("every", _every)
+SESSION_HOOKS.append(install)

@@ -1,0 +1,35 @@
+"""`evaluate`: the .sx file, under the unit's selection, to the experiment module.
+
+Evaluates `unit.path` with the unit's variant and `--set` overrides (the
+prelude first), then traces the run's graphs; the module holds the `exp` ops
+and the `graph.func`s that `dialects/exp.py` documents. The Python-side
+experiment (knob docs, variants, loaders, warnings, traces) is left in
+`unit.facts["experiment"]` for reports.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from attrs import define
+from sexpgpu.frontend.evaluator import Evaluator, run_deep
+
+from sexpgpu.diagnostics import SxError
+
+from .manager import CompilationUnit, Pass, register_pass
+
+
+@register_pass
+@define
+class EvaluatePass(Pass):
+    name: ClassVar[str] = "evaluate"
+    summary: ClassVar[str] = "evaluate the .sx file under the selection and trace its graphs"
+
+    def run(self, unit: CompilationUnit) -> None:
+        if unit.path is None:
+            raise SxError("evaluate: the unit has no .sx file to evaluate")
+        evaluator = Evaluator(variant=unit.variant, sets=unit.sets)
+        evaluator.eval_file(unit.path)
+        experiment = evaluator.experiment  # type: ignore[attr-defined]
+        unit.module = run_deep(lambda: experiment.build(unit.path))
+        unit.facts["experiment"] = experiment

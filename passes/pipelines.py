@@ -1,0 +1,6 @@
+"""Named pipelines the verbs and the Python API run."""
+
+#: From a .sx file to every graph a training run executes.
+TRAINING_PIPELINE = (
+    "evaluate,autodiff,accumulate,diagnose,build-updates,fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
+)
