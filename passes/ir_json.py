@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TextIO
 
@@ -70,12 +71,21 @@ def _unknown_type(value: Any) -> Any:
 def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
     """The files the experiment was read from, with the sha256 of their bytes.
 
-    `evaluate` records what it read as `facts["experiment"]["files"]`; a unit
-    parsed from textual IR has only its own file.
+    The unit's file, then every file an op's location (or the library frame
+    it was reached through) names, in first-seen order: the requires and the
+    prelude that made the graphs.
     """
-    files = unit.facts.get("experiment", {}).get("files") or ([unit.path] if unit.path else [])
+    seen: dict[str, None] = {}
+    if unit.path:
+        seen[os.path.abspath(unit.path)] = None
+    for op in unit.module.walk():
+        loc = op.loc
+        while loc is not None:
+            if not loc.file.startswith("<"):
+                seen.setdefault(os.path.abspath(loc.file), None)
+            loc = loc.via
     out = []
-    for path in files:
+    for path in seen:
         with open(path, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
         out.append({"path": display_path(path), "sha256": digest})

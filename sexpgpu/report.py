@@ -28,6 +28,8 @@ LARGEST_KEPT = 10
 LARGEST_SHOWN_OTHER = 3
 #: Constants the text lists per group before eliding the rest (the document keeps all).
 CONSTANTS_SHOWN = 8
+#: Emit names the text lists per kind of emit before summarising the rest (the document keeps all).
+EMITS_SHOWN = 4
 DEVICE_HOLE = "device: (hole) — run explain --device cuda on a GPU machine"
 
 #: How a graph.func's `kind` reads in reports; evaluations and clip graphs read as their symbol.
@@ -36,6 +38,14 @@ KIND_TITLES = {
     "train_accumulating": "train accumulating",
     "train_stacked": "train stacked",
     "train_diagnosed": "train diagnosed",
+}
+
+#: The order graphs are reported in, by kind (a step's graphs, then evaluations, clipping, updates).
+GRAPH_ORDER = {
+    kind: i
+    for i, kind in enumerate(
+        ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation", "clip", "update")
+    )
 }
 
 
@@ -214,7 +224,7 @@ def _largest(ops: Iterable[Operation]) -> list[dict[str, Any]]:
 def _graphs(funcs: list[Operation], casts: dict[str, int]) -> list[dict[str, Any]]:
     """One entry per graph; the update graphs of a group add up into one `update <group>` entry."""
     by_title: dict[str, list[Operation]] = {}
-    for func in funcs:
+    for func in sorted(funcs, key=lambda f: GRAPH_ORDER.get(f.attributes.get("kind", ""), len(GRAPH_ORDER))):
         by_title.setdefault(_graph_title(func), []).append(func)
     out = []
     for title, members in by_title.items():
@@ -403,6 +413,20 @@ def _show_of(of: Any) -> str:
     return str(of)
 
 
+def _show_emits(emits: list[dict[str, str]]) -> str:
+    """`metric train/loss, counter tokens`; a kind with many names (observations) lists a few and counts."""
+    by_kind: dict[str, list[str]] = {}
+    for e in emits:
+        by_kind.setdefault(e["kind"], []).append(e["name"])
+    shown = []
+    for kind, names in by_kind.items():
+        merged = compress_paths(names)
+        if len(merged) > EMITS_SHOWN:
+            merged = [*merged[: EMITS_SHOWN - 1], f"... ({len(names)} in all)"]
+        shown.append(", ".join(f"{kind} {name}" if i == 0 else name for i, name in enumerate(merged)))
+    return ", ".join(shown) or "none"
+
+
 def _render_selection(doc: dict[str, Any]) -> list[str]:
     sel = doc["selection"]
     rows = [["variant", show_value(sel["variant"])]]
@@ -449,7 +473,7 @@ def _render_graphs(doc: dict[str, Any]) -> list[str]:
             f"{doc['step']['precision']} policy"
         )
         ops = ", ".join(f"{o['family']} {o['count']}" for o in g["ops"]) or "none"
-        emits = ", ".join(f"{e['kind']} {e['name']}" for e in g["emits"]) or "none"
+        emits = _show_emits(g["emits"])
         lines += _table([["ops", ops], ["emits", emits]], 4, min_widths=(7,))
         lines.append("    largest tensors:")
         shown = g["largest"] if g["kind"] == "train" else g["largest"][:LARGEST_SHOWN_OTHER]
@@ -460,33 +484,31 @@ def _render_graphs(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def step_rows(doc: dict[str, Any]) -> list[list[str]]:
-    """The `training step:` rows as [label, text]; diff compares these."""
+def step_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The `training step:` rows as (key, label, text); the key is unique, so diff can pair rows by it."""
     s = doc["step"]
     micro = plural(s["microbatches"], "microbatch", "microbatches")
-    rows = [["records", f"{micro} of {s['batch']} = {s['records_per_step']} per step, {plural(s['steps'], 'step')}"]]
+    rows = [("records", "records", f"{micro} of {s['batch']} = {s['records_per_step']} per step, {plural(s['steps'], 'step')}")]
     for c in s["counters"]:
         text = f"{c['per_step']} per step (static)" if c["static"] else "counted as the run goes (not static)"
-        rows.append([f"counter {c['name']}", text])
+        rows.append((f"counter {c['name']}", f"counter {c['name']}", text))
     for e in s["evaluations"]:
-        rows.append(
-            ["evaluation", f"{e['name']}: every {plural(e['every'], 'step')}, the whole loader in batches of {e['batch']}"]
-        )
+        text = f"{e['name']}: every {plural(e['every'], 'step')}, the whole loader in batches of {e['batch']}"
+        rows.append((f"evaluation {e['name']}", "evaluation", text))
     if not s["evaluations"]:
-        rows.append(["evaluation", "none"])
-    rows.append(["checkpoints", f"every {plural(s['checkpoints'], 'step')}" if s["checkpoints"] else "none"])
-    rows.append(["precision", f"{s['precision']}, seed {s['seed']}"])
+        rows.append(("evaluation", "evaluation", "none"))
+    checkpoints = f"every {plural(s['checkpoints'], 'step')}" if s["checkpoints"] else "none"
+    rows.append(("checkpoints", "checkpoints", checkpoints))
+    rows.append(("precision", "precision", f"{s['precision']}, seed {s['seed']}"))
     peak = s["peak_activation"]
     if peak is None:
-        rows.append(["peak activation", "not planned (the pipeline ran no plan-memory)"])
+        text = "not planned (the pipeline ran no plan-memory)"
     else:
-        rows.append(
-            [
-                "peak activation",
-                f"<= {mib(peak['bytes'])} for one microbatch, an upper bound: nothing reused in place; "
-                f"parameters {mib(peak['param_bytes'])} and gradients {mib(peak['grad_bytes'])} besides",
-            ]
+        text = (
+            f"<= {mib(peak['bytes'])} for one microbatch, an upper bound: nothing reused in place; "
+            f"parameters {mib(peak['param_bytes'])} and gradients {mib(peak['grad_bytes'])} besides"
         )
+    rows.append(("peak activation", "peak activation", text))
     return rows
 
 
@@ -536,7 +558,7 @@ def render_text(doc: dict[str, Any]) -> str:
         _render_selection(doc),
         _render_parameters(doc),
         _render_graphs(doc),
-        ["training step:", *_table(step_rows(doc), 2)],
+        ["training step:", *_table([[label, text] for _, label, text in step_rows(doc)], 2)],
         _render_diagnostics(doc),
         _render_precision(doc),
         [DEVICE_HOLE] if device is None else [device["report"].rstrip("\n")],

@@ -275,3 +275,63 @@ def test_ir_writes_nonfinite_floats_as_strings():
     b.create("graph.const", [], {"value": float("-inf")}, result_types=[TensorType((), "f32")])
     doc = json.loads(_ir_text(module=module))
     assert any(o["attributes"].get("value") == "-inf" for o in doc["graphs"][0]["ops"])
+
+
+# -- diff -------------------------------------------------------------------------------------
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any], b_sets: list[str]) -> dict[str, Any]:
+    from sexpgpu.tools.diff_cmd import describe, diff_documents
+
+    sections = diff_documents(a, b)
+    return {"a": describe("tiny.sx", None, []), "b": describe("tiny.sx", None, b_sets), "identical": not sections,
+            "sections": sections}
+
+
+def test_diff_of_a_document_with_itself_is_identical():
+    from sexpgpu.tools.diff_cmd import render_diff
+
+    diff = _diff(tiny_document(), tiny_document(), [])
+    assert render_diff(diff) == "a  tiny.sx\nb  tiny.sx\n\nidentical\n"
+
+
+def test_diff_of_a_knob_shows_the_knob_row_and_the_constant_rows():
+    from sexpgpu.tools.diff_cmd import render_diff
+
+    diff = _diff(tiny_document(), tiny_document(lr=0.25, lr_source="set"), ["lr=0.25"])
+    jsonschema.validate(diff, json.loads((SCHEMAS / "diff.schema.json").read_text()))
+    assert render_diff(diff) == (
+        "a  tiny.sx\n"
+        "b  tiny.sx --set lr=0.25\n"
+        "\n"
+        "knobs\n"
+        "  lr  0.5 (default)  0.25 (set)\n"
+        "\n"
+        "optimizer groups\n"
+        "  model.fc.* constants  0, 1e-08, 0.1, 0.5, 0.999  0, 1e-08, 0.1, 0.25, 0.999\n"
+        "  default constants     0, 0.5, 0.9                0, 0.25, 0.9\n"
+    )
+
+
+def test_diff_of_one_more_layer_shows_parameter_and_node_count_rows():
+    diff = _diff(tiny_document(), tiny_document(extra_layer=True), [])
+    sections = {s["name"]: s["rows"] for s in diff["sections"]}
+    assert sections["parameters"] == [{"key": "model.extra.weight", "a": None, "b": "[3, 3] f32 default"}]
+    graphs = {r["key"]: (r["a"], r["b"]) for r in sections["graphs"]}
+    assert graphs["train nodes"] == ("15", "16")
+    assert graphs["train input"] == ("5", "6")
+    assert graphs["update default nodes"] == ("6", "12")
+    groups = {r["key"]: (r["a"], r["b"]) for r in sections["optimizer groups"]}
+    assert groups["default members"] == ("1 param, 24", "2 params, 33")
+
+
+def test_diff_sections_over_twenty_rows_print_twenty_and_a_count():
+    from sexpgpu.tools.diff_cmd import render_diff
+
+    rows = [{"key": f"model.p{i}", "a": None, "b": "[1] f32 default"} for i in range(32)]
+    text = render_diff({"a": "x.sx", "b": "y.sx", "identical": False, "sections": [{"name": "parameters", "rows": rows}]})
+    lines = text.splitlines()
+    assert lines[3] == "parameters"
+    assert lines[4] == "  model.p0   -  [1] f32 default"
+    assert lines[24] == "  … and 12 more"
+    assert len(lines) == 25
