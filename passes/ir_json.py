@@ -73,7 +73,7 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
 
     The unit's file, then every file an op's location (or the library frame
     it was reached through) names, in first-seen order: the requires and the
-    prelude that made the graphs.
+    prelude that made the graphs. A file that cannot be read is left out.
     """
     seen: dict[str, None] = {}
     if unit.path:
@@ -86,8 +86,12 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
             loc = loc.via
     out = []
     for path in seen:
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            # Textual IR may name .sx files that are not here; the manifest lists what it can hash.
+            continue
         out.append({"path": display_path(path), "sha256": digest})
     return out
 
@@ -251,10 +255,15 @@ def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
         "files": source_files(unit),
         "selection": selection[0].attributes if selection else {"variant": unit.variant, "knobs": {}},
     }
+    def manifest_object(depth: int) -> None:
+        out.write("{")
+        w.members(iter(manifest.items()), depth + 1)
+        out.write(w.newline(depth) + "}")
+
     members: list[tuple[str, Any]] = [
         ("format", FORMAT),
         ("version", FORMAT_VERSION),
-        ("manifest", manifest),
+        ("manifest", manifest_object),
         ("run", runs[0].attributes if runs else None),
     ]
     members += [(key, exp_list(by_name.get(name, []))) for key, name in EXP_LISTS]
