@@ -8,6 +8,8 @@ inserting and erasing are O(1).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -19,6 +21,35 @@ DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i1")
 FLOAT_DTYPES = ("f32", "bf16", "f16")
 INT_DTYPES = ("i32", "i64")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "i1": 1}
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while building a large IR.
+
+    Every op, value and use made while building stays alive, so collections
+    find nothing to free but re-traverse the ever larger graph: building
+    50,000 ops took 5x as long as building 25,000 with it running.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def tune_gc_for_large_ir() -> None:
+    """Make Python's cyclic collector run rarely, as a compiler process wants.
+
+    An IR is a large, long-lived graph of small objects; with the default
+    thresholds every few hundred allocations trigger a collection, and the
+    full ones re-traverse the whole graph, so passes slow down as the module
+    grows (cse+dce on 50,000 ops: 4x the time of 25,000). mypy makes the same
+    trade. The command-line tools call this once at start.
+    """
+    gc.set_threshold(100_000, 50, 1_000)
 
 
 @frozen

@@ -19,7 +19,17 @@ import re
 from typing import Any
 
 import sexpgpu.dialects  # noqa: F401  (registers every op)
-from sexpgpu.dialects.core import DTYPES, REGISTRY, Block, Operation, Region, SymbolRef, TensorType, Value
+from sexpgpu.dialects.core import (
+    DTYPES,
+    REGISTRY,
+    Block,
+    Operation,
+    Region,
+    SymbolRef,
+    TensorType,
+    Value,
+    gc_paused,
+)
 
 from sexpgpu.diagnostics import Location, SxError, remember_source
 
@@ -108,6 +118,7 @@ class Parser:
         self.path = path
         self.types: dict[str, TensorType] = {}
         self.locs: dict[str, Location | None] = {}
+        self.signatures: dict[tuple[str, ...], tuple[list[TensorType], list[TensorType]]] = {}
         #: Values by name within the current top-level op.
         self.values: dict[str, Value] = {}
 
@@ -187,68 +198,81 @@ class Parser:
     # -- ops -----------------------------------------------------------------------------------
 
     def parse_op(self, line: _Line) -> Operation:
+        # The hot path of the parser: tokens are read through locals, and a
+        # signature seen before (most are) is one dictionary lookup.
+        toks, n, i = line.tokens, len(line.tokens), 0
         result_names: list[tuple[str, int]] = []
-        if line.tokens[0].startswith("%"):
+        if toks[0][0] == "%":
             while True:
-                index = line.pos
-                tok = line.next("a result name")
-                if not tok.startswith("%"):
-                    raise line.error(f"expected a result name, found '{tok}'", index)
-                result_names.append((tok, index))
-                if not line.accept(","):
-                    break
-            line.expect("=")
-        name_index = line.pos
-        name = line.next("an op name")
-        opdef = REGISTRY.lookup(name)
-        if opdef is None:
+                if i >= n or toks[i][0] != "%":
+                    raise line.error(f"expected a result name, found {_show(toks[i] if i < n else None)}", i)
+                result_names.append((toks[i], i))
+                i += 1
+                if i < n and toks[i] == ",":
+                    i += 1
+                    continue
+                break
+            if i >= n or toks[i] != "=":
+                raise line.error(f"expected '=', found {_show(toks[i] if i < n else None)}", i)
+            i += 1
+        if i >= n:
+            raise line.error("expected an op name, found end of line", i)
+        name_index = i
+        name = toks[i]
+        i += 1
+        if REGISTRY.lookup(name) is None:
             raise line.error(f"unknown op '{name}'", name_index)
         attributes: dict[str, Any] = {}
-        tok = line.peek()
-        if tok is not None and tok.startswith("@"):
-            line.pos += 1
+        if i < n and toks[i][0] == "@":
+            tok = toks[i]
             attributes["sym_name"] = _unquote(tok[1:]) if tok[1] == '"' else tok[1:]
+            i += 1
         operands: list[Value] = []
-        operand_index = line.pos
-        tok = line.peek()
-        if tok is not None and tok.startswith("%"):
+        operand_index = i
+        if i < n and toks[i][0] == "%":
+            values = self.values
             while True:
-                index = line.pos
-                tok = line.next("an operand")
-                value = self.values.get(tok)
+                tok = toks[i] if i < n else None
+                value = values.get(tok)  # type: ignore[arg-type]
                 if value is None:
-                    if tok.startswith("%"):
-                        raise line.error(f"use of undefined value {tok}", index)
-                    raise line.error(f"expected an operand, found '{tok}'", index)
+                    if tok is not None and tok[0] == "%":
+                        raise line.error(f"use of undefined value {tok}", i)
+                    raise line.error(f"expected an operand, found {_show(tok)}", i)
                 operands.append(value)
-                if not line.accept(","):
-                    break
-        if line.peek() == "{" and self._starts_attr_dict(line):
+                i += 1
+                if i < n and toks[i] == ",":
+                    i += 1
+                    continue
+                break
+        # A region's `{` ends its line; a `{` with more after it opens the attribute dict.
+        if i < n - 1 and toks[i] == "{":
+            line.pos = i
             attributes.update(self.parse_attr_dict(line))
+            i = line.pos
         result_types: list[TensorType] = []
-        if line.peek() == ":":
-            sig_index = line.pos + 1
-            line.pos += 1
+        if i < n and toks[i] == ":":
+            line.pos = i + 1
             operand_types, result_types = self.parse_signature(line)
             if len(operand_types) != len(operands):
                 raise line.error(
-                    f"the signature gives {len(operand_types)} operand types for {len(operands)} operands", sig_index
+                    f"the signature gives {len(operand_types)} operand types for {len(operands)} operands", i + 1
                 )
-            for i, (value, declared) in enumerate(zip(operands, operand_types)):
+            for k, (value, declared) in enumerate(zip(operands, operand_types)):
                 if value.type != declared:
-                    raise line.error(
-                        f"operand {i} has type {value.type} but the signature says {declared}", operand_index
-                    )
+                    raise line.error(f"operand {k} has type {value.type} but the signature says {declared}",
+                                     operand_index)
+            i = line.pos
         if len(result_types) != len(result_names):
             raise line.error(f"'{name}' names {len(result_names)} results but its signature gives {len(result_types)}",
                              name_index)
         loc = None
-        tok = line.peek()
-        if tok is not None and tok.startswith("loc("):
-            line.pos += 1
-            loc = self.parse_location(tok)
+        if i < n and toks[i].startswith("loc("):
+            loc = self.parse_location(toks[i])
+            i += 1
+        line.pos = i
         op = Operation.create(name, operands, result_types, attributes, loc=loc)
-        op.text_loc = Location(self.path, line.number, line.location(0).col)
+        text = line.text
+        op.text_loc = Location(self.path, line.number, len(text) - len(text.lstrip()) + 1)
         for (res_name, index), value in zip(result_names, op.results):
             self._define(line, res_name, value, index)
         return op
@@ -263,18 +287,30 @@ class Parser:
         if not hint.isdigit():
             value.name_hint = hint
 
-    def _starts_attr_dict(self, line: _Line) -> bool:
-        """A region's `{` ends its line; a `{` with more after it opens the attribute dict."""
-        return line.peek(1) is not None
-
     def parse_signature(self, line: _Line) -> tuple[list[TensorType], list[TensorType]]:
+        """`(operand types) -> result type(s)`, up to the location or the region's `{`."""
+        toks = line.tokens
+        end = len(toks)
+        if toks[end - 1] == "{":
+            end -= 1
+        if end > line.pos and toks[end - 1].startswith("loc("):
+            end -= 1
+        key = tuple(toks[line.pos : end])
+        cached = self.signatures.get(key)
+        if cached is not None:
+            line.pos = end
+            return cached
         line.expect("(")
         operand_types = self._type_list(line)
         line.expect("->")
         if line.peek() == "(":
             line.pos += 1
-            return operand_types, self._type_list(line)
-        return operand_types, [self.parse_type(line)]
+            result_types = self._type_list(line)
+        else:
+            result_types = [self.parse_type(line)]
+        if line.pos == end:
+            self.signatures[key] = (operand_types, result_types)
+        return operand_types, result_types
 
     def _type_list(self, line: _Line) -> list[TensorType]:
         """Types up to and including the closing `)`."""
@@ -372,7 +408,8 @@ def parse_module(text: str, path: str = "<ir>", verify: bool = True) -> Operatio
     `passes.verify.verify_errors` to collect them all).
     """
     remember_source(path, text)
-    module = Parser(text, path).parse()
+    with gc_paused():
+        module = Parser(text, path).parse()
     if verify:
         module.verify()
     return module

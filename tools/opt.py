@@ -272,6 +272,9 @@ class Opt:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from sexpgpu.dialects.core import tune_gc_for_large_ir
+
+    tune_gc_for_large_ir()
     return guarded(lambda: Opt(args).main())
 
 
