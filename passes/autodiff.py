@@ -10,7 +10,10 @@ How it works: the values on a path from a param to the loss are *active*.
 Walking the forward ops in reverse, each op with an active operand and a
 cotangent on its result applies its rule (below), which builds the cotangents
 of its active operands out of graph ops stamped with the op's own `loc`;
-several contributions to one value are summed with `graph.add`. Emits
+several contributions to one value are summed with `graph.add`. They also
+copy the forward op's `path` attribute (the model path the tracer stamps),
+so reports and the bf16 policy see backward ops where their forward op is.
+Emits
 (metric, counter, observe) are sinks and are not differentiated; compares,
 `one_hot`, `iota` and casts to integers carry no gradient.
 
@@ -137,10 +140,17 @@ class _Adjoints:
         self.b = builder
         self.active = active
         self.cotangent: dict[Value, Value] = {}
+        #: The model path stamped on the ops being built (the forward op's `path`), if any.
+        self.path: str | None = None
 
     def seed(self, loss: Value, loc) -> None:
-        self.b.loc = loc
+        self.at(loss.op, loc)
         self.cotangent[loss] = self.const(1.0, loss.type)
+
+    def at(self, forward: Operation | None, loc) -> None:
+        """Build the next ops as the backward of `forward`: its loc and model path."""
+        self.b.loc = loc
+        self.path = forward.attributes.get("path") if forward is not None else None
 
     def propagate(self, op: Operation) -> None:
         wants = [v in self.active for v in op.operands]
@@ -149,7 +159,7 @@ class _Adjoints:
         rule = RULES.get(op.name)
         if rule is None:
             raise SxError(f"autodiff has no rule for '{op.name}'", op.loc)
-        self.b.loc = op.loc
+        self.at(op, op.loc)
         contributions = rule(self, op, self.cotangent[op.results[0]], wants)
         for operand, wanted, contribution in zip(op.operands, wants, contributions):
             if wanted and contribution is not None:
@@ -164,16 +174,19 @@ class _Adjoints:
     def gradient(self, param: Value, loc) -> Value:
         if param in self.cotangent:
             return self.cotangent[param]
-        self.b.loc = loc
+        self.at(None, loc)
         return self.const(0.0, param.type)
 
     # -- building ops at the current loc -------------------------------------------------------
 
     def op(self, name: str, *operands: Value, **attributes) -> Value:
-        return self.b.value(f"graph.{name}", *operands, **attributes)
+        return self.b.create(f"graph.{name}", operands, self._stamped(attributes)).result
 
     def const(self, value: float, type_: TensorType) -> Value:
-        return self.b.create("graph.const", [], {"value": value}, result_types=[type_]).result
+        return self.b.create("graph.const", [], self._stamped({"value": value}), result_types=[type_]).result
+
+    def _stamped(self, attributes: dict) -> dict:
+        return attributes if self.path is None else {**attributes, "path": self.path}
 
     def like(self, value: float, like: Value) -> Value:
         """A splat constant of `like`'s type."""

@@ -327,3 +327,16 @@ def test_differentiating_twice_is_an_error():
     differentiate(func)
     with pytest.raises(SxError, match="already has gradient outputs"):
         differentiate(func)
+
+
+def test_backward_ops_carry_the_forward_model_path():
+    def forward(g):
+        return g.create("graph.tanh", [g.inputs["x"]], {"path": "model.act"}).result
+
+    func = loss_graph({"x": P(3)}, forward)
+    forward_ops = set(func.body.ops)
+    differentiate(func)
+    backward = [op for op in func.body.ops if op not in forward_ops]
+    # Only the tanh rule builds a sub (1 - y²); the loss's own backward ops have no path.
+    assert {op.attributes.get("path") for op in backward if op.name == "graph.sub"} == {"model.act"}
+    assert None in {op.attributes.get("path") for op in backward}
