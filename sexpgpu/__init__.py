@@ -1,3 +1,31 @@
 """sexpgpu: a compiler toolkit for deep-learning experiments written as S-expressions."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from sexpgpu.api import Experiment
+    from sexpgpu.backends.training import RunResult
+
+
+# The API imports the compiler lazily, so `import sexpgpu` (and every console script) stays fast.
+
+
+def compile(path: str, variant: str | None = None, set: dict[str, Any] | None = None) -> Experiment:  # noqa: A001
+    """Compile the experiment at `path` under a selection; see `sexpgpu.api.Experiment`."""
+    from sexpgpu.api import compile as compile_experiment
+
+    return compile_experiment(path, variant, set)
+
+
+def train(path: str, variant: str | None = None, set: dict[str, Any] | None = None, out: str | None = None, **options: Any) -> RunResult:  # noqa: A001
+    """Train the experiment at `path` as `sexpgpu run` does; returns how the run ended."""
+    from sexpgpu.backends.training import train as train_experiment
+
+    return train_experiment(path, variant, set, out, **options)
+
+
+__all__ = ["__version__", "compile", "train"]
