@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 
-from sexpgpu.diagnostics import display_path
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
 from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+
+from sexpgpu.diagnostics import display_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
