@@ -318,6 +318,12 @@ class Builtin:
             if isinstance(arg, Keyword) and (self.any_keyword or arg.name.replace("-", "_") in self.keywords):
                 start = i
                 break
+        else:
+            # No known keyword: trailing pairs that look like keyword arguments are a misspelling.
+            for i in range(self.min_args, len(args)):
+                if (len(args) - i) % 2 == 0 and all(isinstance(k, Keyword) for k in args[i::2]):
+                    start = i
+                    break
         tail = args[start:]
         if len(tail) % 2:
             raise SxError(f"keyword arguments to '{self.name}' must come in ':name value' pairs", loc)
@@ -747,7 +753,7 @@ class Evaluator:
         address = scope.lookup(name)
         if address is not None:
             return _local_ref(*address)
-        if _is_special(name):
+        if _is_special(name) and name not in self.globals:
             raise SxError(f"'{name}' is a special form, not a value", sym.loc)
         g = self.globals
         loc = sym.loc

@@ -289,12 +289,12 @@ class _ToDatum(Transformer):
             return _ATOM_CONSTANTS[str(tok)], loc
         return Symbol(str(tok), loc), loc
 
-    def quoted(self, prefix: Token, datum):
+    def quoted(self, prefix: Token, *children):
         loc = self._loc(prefix, False)
-        value, vloc = datum
+        value, vloc = children[-1]
         return SxList([Symbol(_PREFIXES[str(prefix)], loc), value], loc, [loc, vloc]), loc
 
-    def discarded(self, _comment: Token, _datum):
+    def discarded(self, _comment: Token, *_children):
         return None
 
     def _container(self, cls, opener: Token, *items):

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
-
-from sexpgpu.diagnostics import SxError
 from sexpgpu.frontend.data import SxList, Symbol
 from sexpgpu.frontend.evaluator import Evaluator, run_deep
+
+from sexpgpu.diagnostics import SxError
 
 from .manager import CompilationUnit, Pass, register_pass
 

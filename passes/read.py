@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
+from sexpgpu.frontend.reader import read_file, read_text
 
 from sexpgpu.diagnostics import SxError
-from sexpgpu.frontend.reader import read_file, read_text
 
 from .manager import CompilationUnit, Pass, register_pass
 

@@ -1,0 +1,114 @@
+"""The reader: values, locations, errors, and agreement with the grammar's LALR parser."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sexpgpu.frontend.data import Keyword, SxList, SxMap, SxVector, Symbol, element_loc, loc_of
+from sexpgpu.frontend.printing import show
+from sexpgpu.frontend.reader import parse_with_lark, read_text
+
+from sexpgpu.diagnostics import SxError
+
+
+def test_atoms():
+    forms = read_text('42 -3 1_000 0.0015 1e-10 -2.5e3 inf -inf "a\\"b\\\\c\\n\\t" :k true false nil x/y')
+    assert forms[:7] == [42, -3, 1000, 0.0015, 1e-10, -2500.0, math.inf]
+    assert forms[7] == -math.inf
+    assert forms[8] == 'a"b\\c\n\t'
+    assert forms[9] is Keyword("k")
+    assert forms[10:13] == [True, False, None]
+    assert forms[13] == Symbol("x/y")
+    assert math.isnan(read_text("nan")[0])
+
+
+def test_numbers_need_a_delimiter():
+    assert read_text("1abc 1.2.3")[0] == Symbol("1abc")
+    assert read_text("1.2.3")[0] == Symbol("1.2.3")
+
+
+def test_containers_and_quotes():
+    lst, vec, mp, q = read_text("(a [1 2] {:k v}) [1] {:a 1} 'x")
+    assert isinstance(lst, SxList) and isinstance(vec, SxVector) and isinstance(mp, SxMap)
+    assert q == [Symbol("quote"), Symbol("x")]
+    assert show(read_text("`(a ,b ,@c)")[0]) == "`(a ,b ,@c)"
+
+
+def test_comments():
+    assert read_text("; x\n#| y\n z |# 1 #_(2 3) 4 #_ #_ 5 6 7") == [1, 4, 7]
+
+
+def test_locations_of_every_element():
+    forms = read_text("(f 1\n   :k \"s\")", "t.sx")
+    form = forms[0]
+    assert str(loc_of(form)) == "t.sx:1:1"
+    assert str(loc_of(form[0])) == "t.sx:1:2"
+    assert [str(element_loc(form, i)) for i in range(4)] == ["t.sx:1:2", "t.sx:1:4", "t.sx:2:4", "t.sx:2:7"]
+    assert element_loc(form, 2).end_col == 6
+
+
+@pytest.mark.parametrize(
+    "text, where, message",
+    [
+        ("(a\n (b)", "1:1", "unclosed '(' opened at 1:1"),
+        ("(a]", "1:3", "expected ')' to close '(' opened at 1:1, found ']'"),
+        ("  )", "1:3", "unexpected ')'"),
+        ('"abc', "1:1", "unterminated string"),
+        ('"a\\qb"', "1:3", "bad escape '\\q'"),
+        ("#| x", "1:1", "unterminated block comment"),
+        ("(a ')", "1:4", "expected a form after '''"),
+    ],
+)
+def test_errors_are_located(text, where, message):
+    with pytest.raises(SxError) as err:
+        read_text(text, "e.sx")
+    assert str(err.value.loc) == f"e.sx:{where}"
+    assert message in err.value.message
+
+
+def test_deep_nesting_needs_no_recursion():
+    depth = 50_000
+    form = read_text("(" * depth + ")" * depth)[0]
+    for _ in range(depth - 1):
+        form = form[0]
+    assert form == []
+
+
+# -- property: the fast reader and the LALR reference agree, and only SxError escapes --
+
+atoms = st.one_of(
+    st.integers(-10**6, 10**6).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=8).map(
+        lambda s: '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    ),
+    st.sampled_from(["x", "train/loss", "model.embed", "+", "<=", "set!", "&rest", ":k", "nil", "true", "inf"]),
+)
+datums = st.recursive(
+    atoms,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda xs: "(" + " ".join(xs) + ")"),
+        st.lists(inner, max_size=4).map(lambda xs: "[" + " ".join(xs) + "]"),
+        st.tuples(st.sampled_from(["'", "`", ",", ",@", "#_"]), inner).map(lambda p: p[0] + p[1] + " 1"),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(datums, max_size=5).map(" ; c\n".join))
+def test_fast_reader_agrees_with_lark(text):
+    fast = read_text(text, "p.sx")
+    reference = parse_with_lark(text, "p.sx")
+    assert show(fast) == show(reference)
+    assert fast.locs == reference.locs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="()[]{}'`,@#_|;:\"\\ \nabc1.e-", max_size=40))
+def test_random_text_reads_or_fails_with_a_located_error(text):
+    try:
+        read_text(text, "r.sx")
+    except SxError as e:
+        assert e.loc is not None and e.loc.file == "r.sx"
