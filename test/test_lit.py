@@ -10,7 +10,7 @@ LIT_DIR = os.path.join(os.path.dirname(__file__), "lit")
 def test_lit_suite():
     jobs = os.environ.get("LIT_JOBS", str(os.cpu_count() or 2))
     proc = subprocess.run(
-        [sys.executable, "-m", "lit", "-q", "-j", jobs, LIT_DIR],
+        [os.path.join(os.path.dirname(sys.executable), "lit"), "-q", "-j", jobs, LIT_DIR],
         capture_output=True,
         text=True,
     )
