@@ -301,3 +301,17 @@ def test_buffer_reuse_keeps_long_chains_correct():
         out = graph({"x": x, "w": w}).outputs
         close(out["h"], h, rtol=1e-5)
         close(out["mix"], np.exp(-h) * h.sum(axis=1, keepdims=True), rtol=1e-5)
+
+
+def test_in_place_update_over_a_transposed_view_of_itself():
+    """z = yᵀ + c may reuse y's buffer while reading it transposed: numpy must see the overlap."""
+
+    def body(g):
+        y = g.exp(g.inputs["x"])
+        z = g.add(g.transpose(y, perm=[1, 0]), g.inputs["c"])
+        return {"m": g.neg(g.matmul(z, g.transpose(z, perm=[1, 0])))}
+
+    graph = compile_graph(make_func({"x": ((64, 64), "f32"), "c": ((64, 64), "f32")}, body))
+    x, c = f32(64, 64), f32(64, 64)
+    z = np.exp(x).T + c
+    close(graph({"x": x, "c": c}).outputs["m"], -(z @ z.T), rtol=1e-5)
