@@ -64,7 +64,9 @@ def human_count(n: int) -> str:
 
 
 def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+    """Bytes in MiB to one decimal; below 0.1 MiB to 3 significant digits, so a small model is not 0.0."""
+    value = nbytes / 2**20
+    return f"{value:.1f} MiB" if value >= 0.1 or value == 0 else f"{value:.3g} MiB"
 
 
 def show_value(value: Any) -> str:
