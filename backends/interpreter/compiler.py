@@ -14,8 +14,8 @@ by op name. Two memory plans keep repeated calls cheap:
   its register after its last use.
 
 Outputs and emitted values never live in reused buffers, so what a call
-returns stays valid after later calls; an output that would alias an input or
-a constant is copied.
+returns stays valid after later calls and is the caller's to update in place;
+an output that is a view, an input or a constant is copied.
 """
 
 from __future__ import annotations
@@ -295,8 +295,9 @@ class _MemoryPlan:
         self.buffer_bytes = 0
 
     def is_shared(self, value: Value) -> bool:
-        """Whether the value's storage outlives a call, so a caller must get a copy."""
-        return self.root[value] in self.fixed
+        """Whether a caller must get a copy: the storage outlives a call (an input, a constant) or
+        the value is a view (read-only for a broadcast, and aliasing whatever else sees its root)."""
+        return self.root[value] is not value or value in self.fixed
 
     def released_after(self, position: int) -> list[Value]:
         return self._releases.get(position, [])

@@ -249,12 +249,19 @@ def test_input_errors_name_the_input():
 
 
 def test_outputs_never_alias_inputs_or_each_other_across_calls():
-    graph = compile_graph(make_func({"x": ((2, 2), "f32")},
-                                    lambda g: {"same": g.reshape(g.inputs["x"], shape=[4]), "exp": g.exp(g.inputs["x"])}))
+    def body(g):
+        e = g.exp(g.inputs["x"])
+        total = g.sum(e, axes=[0, 1], keep=False)
+        return {"same": g.reshape(g.inputs["x"], shape=[4]), "exp": e, "flat": g.reshape(e, shape=[4]),
+                "spread": g.broadcast(total, shape=[2, 2])}
+
+    graph = compile_graph(make_func({"x": ((2, 2), "f32")}, body))
     x = f32(2, 2)
     first = graph({"x": x})
     second = graph({"x": x + 1})
     assert not np.shares_memory(first.outputs["same"], x)
+    assert not np.shares_memory(first.outputs["exp"], first.outputs["flat"])
+    first.outputs["spread"] *= 2  # outputs are writeable arrays the caller owns
     close(first.outputs["exp"], np.exp(x))
     close(second.outputs["exp"], np.exp(x + 1))
 
