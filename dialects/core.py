@@ -368,6 +368,10 @@ class Operation:
             if err.op is None:
                 err.attach(self)
             raise
+        except (TypeError, ValueError, IndexError, KeyError) as err:
+            # Hand-written IR can hold attributes of the wrong kind (`axes = 1`,
+            # `axis = "x"`), which the shape rules do not expect: a user error.
+            raise VerifyError(f"'{self.name}' has malformed attributes ({type(err).__name__}: {err})", self) from None
 
 
 @define(eq=False, slots=True)

@@ -101,7 +101,7 @@ class FuncOp(OpDef):
         last = region.blocks[0].last_op
         if last is None or last.name != "graph.return":
             raise VerifyError("'graph.func' body must end with 'graph.return'", op)
-        defined: set[int] = set()
+        defined: set[int] = {id(arg) for arg in region.blocks[0].args}
         for inner in region.blocks[0].ops:
             for v in inner.operands:
                 if id(v) not in defined:
