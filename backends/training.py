@@ -26,7 +26,6 @@ error ends it `failed` and is re-raised.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
 import re
@@ -53,13 +52,6 @@ from sexpgpu import __version__
 from sexpgpu.diagnostics import SxError, UsageError, display_path
 
 DEVICES = ("cpu", "cuda")
-REDUCERS = {
-    "mean": lambda x: float(np.mean(x, dtype=np.float64)),
-    "rms": lambda x: float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))),
-    "max": lambda x: float(np.max(x)),
-    "min": lambda x: float(np.min(x)),
-    "norm": lambda x: float(np.sqrt(np.sum(np.square(x, dtype=np.float64)))),
-}
 _LOCATION = re.compile(r' loc\([^)]*\)')
 
 
@@ -105,14 +97,15 @@ class _Interrupt:
 
 
 class Experiment:
-    """The compiled experiment as the driver needs it: ops, graphs, loaders."""
+    """The compiled experiment as the driver needs it: ops, graphs, loaders, initial parameters."""
 
-    def __init__(self, path: str, variant: str | None, sets: dict[str, Any]) -> None:
-        from sexpgpu import api
+    def __init__(self, path: str, variant: str | None, sets: list[str]) -> None:
+        from sexpgpu.passes.manager import CompilationUnit, run_pipeline
+        from sexpgpu.passes.pipelines import TRAINING_PIPELINE
 
         self.path = path
-        self.compiled = api.compile(path, variant=variant, set=sets, pipeline="training")
-        module = self.compiled.module
+        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), TRAINING_PIPELINE)
+        module = unit.module
         ops = list(module.body.ops)
         self.module = module
         self.run_op = self._one(ops, "exp.run")
@@ -131,6 +124,18 @@ class Experiment:
         cadence = attrs.get("checkpoints")
         self.checkpoint_every = int(cadence) if isinstance(cadence, int) and cadence > 0 else None
         self.train_loader_name = str(attrs["loader"])
+
+    def init_params(self) -> dict[str, np.ndarray]:
+        """Every parameter's initial value: a function of the run seed and its path only."""
+        from sexpgpu.frontend.modules import Init, initial_value
+
+        params = {}
+        for op in self.param_ops:
+            init = dict(op.attributes["init"])
+            kind = str(init.pop("kind"))
+            path = str(op.attributes["path"])
+            params[path] = initial_value(Init(kind, init), tuple(op.attributes["type"].shape), self.seed, path)
+        return params
 
     @staticmethod
     def _one(ops: list[Any], name: str) -> Any:
@@ -187,7 +192,7 @@ class Trainer:
         self._compile_graphs()
         self._check_vocabularies()
         self.params = {path: np.ascontiguousarray(v, dtype=np.float32)
-                       for path, v in experiment.compiled.init_params().items()}
+                       for path, v in experiment.init_params().items()}
         self.states = {f"{path}/{state}": np.zeros(shape, np.float32)
                        for path, (_, states) in self.updates.items() for state, shape in states.items()}
         self.start_step = 0
@@ -329,7 +334,6 @@ class Trainer:
             self.params[path] = outputs["param"]
             for state in states:
                 self.states[f"{path}/{state}"] = outputs[state]
-        self.last_grads = grads
         count = self.exp.microbatches
         metrics = {name: total / count for name, total in metric_sums.items()}
         return loss_sum / count, metrics, counter_sums, observed
@@ -344,12 +348,11 @@ class Trainer:
             batches += 1
         return {name: total / batches for name, total in sums.items()}, batches
 
-    def diagnose(self, op: Any, observed: dict[str, np.ndarray]) -> dict[str, float]:
-        of = op.attributes["of"]
-        pool = {"grads": {k.removeprefix("grad/"): v for k, v in self.last_grads.items()},
-                "params": self.params, "observed": observed}[str(of["kind"])]
-        reduce = REDUCERS[str(op.attributes["reducer"])]
-        return {name: reduce(value) for name, value in pool.items() if fnmatch.fnmatchcase(name, str(of["glob"]))}
+    @staticmethod
+    def diagnose(op: Any, observed: dict[str, np.ndarray]) -> dict[str, float]:
+        """A diagnostic's values: the scalars `train_diagnosed` observed as `<diagnostic>:<tensor>`."""
+        prefix = f"{op.attributes['name']}:"
+        return {name.removeprefix(prefix): float(value) for name, value in observed.items() if name.startswith(prefix)}
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -399,6 +402,7 @@ class Trainer:
         train_loss: float | None = None
         last_evals: dict[str, dict[str, float | None]] = {}
         tokens_done = 0
+        step_seconds = 0.0
         try:
             with _Interrupt() as interrupt:
                 while step < exp.steps:
@@ -410,6 +414,7 @@ class Trainer:
                     step += 1
                     seconds = time.perf_counter() - started
                     tokens_done += self.tokens_per_step()
+                    step_seconds += seconds
                     rate = self.tokens_per_step() / seconds if seconds > 0 else 0.0
                     events.write("step", step=step, metrics={"loss": loss, **metrics}, counters=counters,
                                  seconds=seconds, tokens_per_s=rate)
@@ -446,7 +451,8 @@ class Trainer:
             events.close()
             raise
         seconds = time.perf_counter() - run_started
-        mean_rate = tokens_done / seconds if seconds > 0 else 0.0
+        # Training throughput: evaluations and checkpoints are not training.
+        mean_rate = tokens_done / step_seconds if step_seconds > 0 else 0.0
         events.write("end", status=status, step=step, seconds=seconds, message=message, train_loss=train_loss,
                      eval=last_evals, tokens_per_s=mean_rate)
         events.close()
@@ -486,7 +492,21 @@ def default_out_dir(path: str) -> Path:
     return Path("runs") / f"{Path(path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(path: str, variant: str | None = None, sets: dict[str, Any] | None = None, out: str | Path | None = None,
+def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
+    """`--set` flags from the Python API's `{knob: value}` (or flags as they are)."""
+    if sets is None:
+        return []
+    if isinstance(sets, list):
+        return list(sets)
+    flags = []
+    for name, value in sets.items():
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        flags.append(f"{name}={text}")
+    return flags
+
+
+def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str] | None = None,
+          out: str | Path | None = None,
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
           interactive: bool | None = None) -> RunResult:
     """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do."""
@@ -494,7 +514,7 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | None = N
         raise UsageError(f"--device must be cpu or cuda, not {device}")
     if device == "cuda":
         raise SxError("the CUDA executor is not available in this build; run with --device cpu")
-    experiment = Experiment(path, variant, dict(sets or {}))
+    experiment = Experiment(path, variant, set_flags(sets))
     resume_path = Path(resume) if resume is not None else None
     if out is not None:
         out_dir = Path(out)

@@ -8,8 +8,6 @@ import sys
 
 from sexpgpu.backends.training import DEVICES, train
 
-from sexpgpu.diagnostics import UsageError
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
@@ -20,19 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from a run directory's latest checkpoint, or from one checkpoints/step-N")
 
 
-def parse_sets(items: list[str]) -> dict[str, str]:
-    """`--set knob=value` flags → {knob: value text}; the frontend parses each by its knob's type."""
-    sets: dict[str, str] = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or not name.strip():
-            raise UsageError(f"--set takes KNOB=VALUE, not '{item}'")
-        sets[name.strip()] = value.strip()
-    return sets
-
-
 def run(args: argparse.Namespace) -> int:
-    result = train(args.file, variant=args.variant, sets=parse_sets(args.set), out=args.out, resume=args.resume,
+    result = train(args.file, variant=args.variant, sets=args.set, out=args.out, resume=args.resume,
                    device=args.device)
     if result.status == "diverged":
         print(f"error: training diverged at {result.message}", file=sys.stderr)

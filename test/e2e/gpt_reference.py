@@ -1,0 +1,109 @@
+"""The GPT of `examples/tiny-gpt.sx` written independently in PyTorch, as the language's meaning says.
+
+Used by `test_torch_reference.py` (same losses from the same parameters and
+batches) and by `benchmarks/cpu_train.py` (the eager baseline). The optimizer
+is `torch.optim.AdamW` (single-tensor path) with the experiment group's
+hyperparameters, the learning rate set every step from the group's
+warmup-cosine schedule, and `clip_grad_norm_` when the group clips.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def schedule_lr(spec: Any, step: int) -> float:
+    """The learning rate of `passes/schedules.py` at the 1-based step."""
+    if not isinstance(spec, dict):
+        return float(spec)
+    kind = spec["kind"]
+    if kind == "constant":
+        return float(spec["value"])
+    peak = float(spec["peak"])
+    if kind == "linear-warmup":
+        warmup = float(spec["warmup"])
+        return peak if warmup == 0 else peak * min(step, warmup) / warmup
+    warmup = float(spec.get("warmup", 0)) if kind == "warmup-cosine" else 0.0
+    steps = float(spec["steps"])
+    if step <= warmup:
+        return peak * step / warmup
+    low = float(spec.get("floor", 0)) * peak
+    progress = (min(step, steps) - warmup) / (steps - warmup)
+    return low + (peak - low) * (1 + math.cos(math.pi * progress)) / 2
+
+
+class TorchGPT:
+    """The tiny-gpt model and its optimizer over a dict of parameters named by sexpgpu's paths."""
+
+    def __init__(self, params: dict[str, np.ndarray], heads: int, group: dict[str, Any]) -> None:
+        self.params = {path: torch.tensor(np.array(value), requires_grad=True) for path, value in params.items()}
+        self.heads = heads
+        self.layers = len({p.split(".")[2] for p in params if p.startswith("model.blocks.")})
+        hyper = group["hyper"]
+        self.lr = hyper["lr"]
+        self.clip = group.get("clip")
+        self.optimizer = torch.optim.AdamW(
+            list(self.params.values()), lr=schedule_lr(self.lr, 1), betas=tuple(hyper["betas"]), eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"], foreach=False,
+        )
+
+    @classmethod
+    def from_experiment(cls, exp: Any, params: dict[str, np.ndarray]) -> TorchGPT:
+        """From a compiled `backends.training.Experiment` of tiny-gpt.sx (one optimizer group)."""
+        groups = [op.attributes for op in exp.module.body.ops if op.name == "exp.group"]
+        assert len(groups) == 1, "the reference model takes one optimizer group"
+        heads = int(exp.knobs()["heads"][0])
+        return cls(params, heads, groups[0])
+
+    def _linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.params[f"{prefix}.weight"]
+        bias = self.params.get(f"{prefix}.bias")
+        return y + bias if bias is not None else y
+
+    def _layernorm(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.params[f"{prefix}.weight"], self.params[f"{prefix}.bias"]
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+    def _attention(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        b, t, width = x.shape
+        hd = width // self.heads
+        q, k, v = self._linear(f"{prefix}.qkv", x).split(width, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * (1.0 / math.sqrt(hd)) + mask, dim=-1)
+        merged = (probs @ v).transpose(1, 2).reshape(b, t, width)
+        return self._linear(f"{prefix}.proj", merged)
+
+    def loss(self, tokens: np.ndarray) -> torch.Tensor:
+        tokens_t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        inputs, targets = tokens_t[:, :-1], tokens_t[:, 1:]
+        x = self.params["model.embed.table"][inputs] + self.params["model.pos"]
+        for i in range(self.layers):
+            block = f"model.blocks.{i}"
+            x = x + self._attention(f"{block}.attn", self._layernorm(f"{block}.norm1", x))
+            hidden = F.gelu(self._linear(f"{block}.mlp.fc", self._layernorm(f"{block}.norm2", x)))
+            x = x + self._linear(f"{block}.mlp.proj", hidden)
+        logits = self._linear("model.head", self._layernorm("model.norm", x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def train_step(self, microbatches: list[np.ndarray] | np.ndarray, step: int) -> float:
+        """One step over the microbatches (the gradient of their mean loss); returns that mean loss."""
+        if isinstance(microbatches, np.ndarray):
+            microbatches = [microbatches]
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for tokens in microbatches:
+            loss = self.loss(tokens)
+            (loss / len(microbatches)).backward()
+            total += float(loss.detach())
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), float(self.clip), foreach=False)
+        for group in self.optimizer.param_groups:
+            group["lr"] = schedule_lr(self.lr, step)
+        self.optimizer.step()
+        return total / len(microbatches)
