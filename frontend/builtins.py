@@ -8,6 +8,8 @@ is a `TensorLike`; on scalars they compute at once.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +69,18 @@ def _check_numbers(name: str, args: tuple) -> None:
             raise BuiltinError(f"expects numbers, got {_described(a)}")
 
 
+@functools.cache
+def _accepts(fn: Callable[..., Any], n: int) -> bool:
+    """Whether `fn` can be called with `n` positional arguments."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:  # a C function without a signature (abs, round): one argument
+        return n == 1
+    return True
+
+
 def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -> None:
     """Register an arithmetic builtin: fast on two numbers, tensors to `TENSOR_OPS`, else checked."""
 
@@ -78,17 +92,23 @@ def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -
             if kwargs:
                 raise BuiltinError(f"takes keyword arguments only on tensors, got :{next(iter(kwargs))}")
             _check_numbers(name, args)
+            if not _accepts(scalar, len(args)):
+                raise BuiltinError(f"cannot take {len(args)} argument{'' if len(args) == 1 else 's'}")
             return scalar(*args)
 
         builtin(name, loc=True, kwargs=True)(fn)
         return
 
+    takes_two = _accepts(scalar, 2)
+
     def fn(loc: Location | None, *args: Any) -> Any:  # type: ignore[misc]
-        if len(args) == 2 and args[0].__class__ in _NUMBERS and args[1].__class__ in _NUMBERS:
+        if takes_two and len(args) == 2 and args[0].__class__ in _NUMBERS and args[1].__class__ in _NUMBERS:
             return scalar(*args)
         if _has_tensor(args):
             return _tensor_call(name, loc, args, {})
         _check_numbers(name, args)
+        if not _accepts(scalar, len(args)):
+            raise BuiltinError(f"cannot take {len(args)} argument{'' if len(args) == 1 else 's'}")
         return scalar(*args)
 
     builtin(name, loc=True)(fn)
