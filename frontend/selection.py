@@ -60,6 +60,11 @@ def knob_type(value: Any) -> str:
     return "value"
 
 
+def described_type(kind: str) -> str:
+    """A knob type with its article: "an int", "a float"."""
+    return f"an {kind}" if kind == "int" else f"a {kind}"
+
+
 def show_value(value: Any) -> str:
     """A knob value as the source would write it."""
     if isinstance(value, bool):
@@ -113,7 +118,7 @@ def parse_set_value(knob: Knob, text: str) -> Any:
         pass
     else:
         raise SxError(f"knob '{knob.name}' cannot be set from the command line (its default is not a plain value)", knob.loc)
-    expected = {"dtype": "a dtype (" + ", ".join(SELF_EVALUATING_NAMES) + ")", "bool": "true or false"}.get(kind, f"an {kind}" if kind == "int" else f"a {kind}")
+    expected = {"dtype": "a dtype (" + ", ".join(SELF_EVALUATING_NAMES) + ")", "bool": "true or false"}.get(kind, described_type(kind))
     raise SxError(
         f"--set {knob.name}={text}: knob '{knob.name}' takes {expected} (its default is {show_value(knob.default)})",
         knob.loc,
@@ -183,7 +188,7 @@ class Selection:
         conformed = conform(knob, value)
         if conformed is None:
             raise SxError(
-                f"knob '{name}' takes a {knob_type(knob.default)} (its default is {show_value(knob.default)}), "
+                f"knob '{name}' takes {described_type(knob_type(knob.default))} (its default is {show_value(knob.default)}), "
                 f"got {show_value(value)}",
                 loc,
             )

@@ -653,6 +653,8 @@ OVERLOADED: dict[str, Callable[..., Any]] = {
     "<=": _binary("le", "<="),
     ">": _binary("gt", ">"),
     ">=": _binary("ge", ">="),
+    # `concat` of lists is a list builtin; given tensors it lands here.
+    "concat": concat,
 }
 
 #: Primitives that exist only for tensors (plus `dim shape numel`, which are compile-time).
@@ -670,7 +672,6 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {
     "permute": permute,
     "broadcast-to": broadcast_to,
     "slice": slice_,
-    "concat": concat,
     "squeeze": squeeze,
     "expand-dims": expand_dims,
     "dim": dim,
