@@ -1,16 +1,16 @@
 """A vectorized, float64-accurate error function (numpy has none; scipy is not a dependency).
 
-Two classical expansions, each used where it converges quickly and without
-cancellation worth mentioning:
+Piecewise Chebyshev interpolants of `math.erf`, fitted once at import on
+intervals of width 1 (degree 18: past it the coefficients of this
+entire function are below 1e-15 and only fit noise):
 
-- |x| < 3: the Maclaurin series erf(x) = 2/√π Σ (-1)^n x^(2n+1) / (n! (2n+1)),
-  summed to 60 terms; the largest term at |x| = 3 is about 1e3, so about 13
-  significant digits survive the alternating sum.
-- |x| ≥ 3: the continued fraction erfc(x) = e^(-x²)/√π · 1/(x + (1/2)/(x + 1/(x + (3/2)/(x + ...)))),
-  evaluated bottom-up with 80 levels; erf = 1 - erfc.
+- |x| < 1: erf(x) = x·h(x²) with h(u) = erf(√u)/√u fitted on u ∈ [0, 1], so
+  tiny arguments keep full relative precision;
+- 1 ≤ |x| < 6: erf fitted directly on [k, k+1];
+- |x| ≥ 6: ±1 (erfc(6) ≈ 2e-17 is below float64's resolution at 1).
 
-Both agree with `math.erf` to about 1e-13 absolute over the real line, far below
-what a 1e-4 reference tolerance or a float64 finite difference needs.
+Agrees with `math.erf` to about 3e-15 (absolute and relative) over the real line; each element costs
+one Clenshaw evaluation, so this is about as fast as a few numpy ufuncs.
 """
 
 from __future__ import annotations
@@ -18,38 +18,42 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.polynomial import chebyshev
 
-_SERIES_LIMIT = 3.0
-_SERIES_TERMS = 60
-_FRACTION_DEPTH = 80
-_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_DEGREE = 18
+_SATURATION = 6
+
+
+def _fit(f, lo: float, hi: float) -> np.ndarray:
+    """Chebyshev coefficients of f on [lo, hi], in the variable t ∈ [-1, 1]."""
+    return chebyshev.chebinterpolate(lambda t: np.array([f(lo + (v + 1) * (hi - lo) / 2) for v in t]), _DEGREE)
+
+
+def _erf_over_root(u: float) -> float:
+    if u == 0:
+        return 2 / math.sqrt(math.pi)
+    root = math.sqrt(u)
+    return math.erf(root) / root
+
+
+_NEAR_ZERO = _fit(_erf_over_root, 0.0, 1.0)
+_UNIT_INTERVALS = [_fit(math.erf, k, k + 1) for k in range(1, _SATURATION)]
 
 
 def erf(x: np.ndarray) -> np.ndarray:
     """erf of every element, computed in float64 and returned as float64."""
     x = np.asarray(x, dtype=np.float64)
     ax = np.abs(x)
-    out = np.empty_like(x)
-    near = ax < _SERIES_LIMIT
-    out[near] = _series(x[near])
-    far = ~near
-    out[far] = np.copysign(1.0 - _erfc_fraction(ax[far]), x[far])
-    return out
-
-
-def _series(x: np.ndarray) -> np.ndarray:
-    minus_x2 = -x * x
-    term = x.copy()
-    total = x.copy()
-    for n in range(1, _SERIES_TERMS):
-        term *= minus_x2 / n
-        total += term / (2 * n + 1)
-    return _TWO_OVER_SQRT_PI * total
-
-
-def _erfc_fraction(x: np.ndarray) -> np.ndarray:
-    """erfc for x ≥ 3 (positive), where e^(-x²) is already below 1.3e-4."""
-    tail = x.copy()
-    for n in range(_FRACTION_DEPTH, 0, -1):
-        tail = x + (n / 2.0) / tail
-    return np.exp(-x * x) / (math.sqrt(math.pi) * tail)
+    out = np.ones_like(x)
+    # fmin maps NaN to the saturated interval (NaN is restored below) so the cast is defined.
+    interval = np.floor(np.fmin(ax, _SATURATION)).astype(np.int64)
+    near = interval == 0
+    if near.any():
+        u = ax[near] ** 2
+        out[near] = ax[near] * chebyshev.chebval(2 * u - 1, _NEAR_ZERO)
+    for k, coeffs in enumerate(_UNIT_INTERVALS, start=1):
+        inside = interval == k
+        if inside.any():
+            out[inside] = chebyshev.chebval(2 * (ax[inside] - k) - 1, coeffs)
+    out[np.isnan(x)] = np.nan
+    return np.copysign(out, x)

@@ -45,9 +45,12 @@ def test_unary(op):
 
 
 def test_erf_matches_math_erf_to_float64_precision():
-    x = np.linspace(-7, 7, 20001)
-    assert np.max(np.abs(erf(x) - np.vectorize(math.erf)(x))) < 1e-12
+    x = np.concatenate([np.linspace(-7, 7, 20001), [1e-300, -3e-9, 0.999999, 1.0, 5.999, 6.0]])
+    exact = np.vectorize(math.erf)(x)
+    assert np.max(np.abs(erf(x) - exact)) < 1e-14
+    assert np.max(np.abs(erf(x) - exact)[exact != 0] / np.abs(exact[exact != 0])) < 1e-14
     np.testing.assert_array_equal(erf(np.array([np.inf, -np.inf, 0.0])), [1.0, -1.0, 0.0])
+    assert np.isnan(erf(np.array([np.nan]))).all()
 
 
 BINARY = {
