@@ -29,10 +29,10 @@ from typing import Any
 from attrs import define, field
 from sexpgpu.dialects.core import Operation, Region, SymbolRef, TensorType
 
-from sexpgpu.diagnostics import Location, SxError, warn
+from sexpgpu.diagnostics import Location, SxError, nearest, warn
 
 from . import modules
-from .data import Keyword, SxList, Symbol, TensorLike
+from .data import Keyword, SxList, Symbol, TensorLike, element_loc
 from .evaluator import (
     SESSION_HOOKS,
     Builtin,
@@ -309,7 +309,7 @@ class Experiment:
             ))  # fmt: skip
         return ops
 
-    def _batch(self, trace: Trace, loader: LoaderDef, loc: Location | None) -> dict[Keyword, Tensor]:
+    def _batch(self, trace: Trace, loader: LoaderDef) -> dict[Keyword, Tensor]:
         return {
             Keyword(f.name): trace.input("batch", f.name, TensorType((loader.batch, *f.shape), f.dtype), loader.loc)
             for f in loader.fields
@@ -319,7 +319,7 @@ class Experiment:
         """Every parameter (in definition order), then the loader's fields, as graph inputs."""
         for p in self.params.values():
             p.trace_value(trace, p.loc)
-        return self._batch(trace, loader, loader.loc)
+        return self._batch(trace, loader)
 
     def _prepared(self, run: RunDef, batch: dict[Keyword, Tensor]) -> Any:
         if run.prepare is None:
@@ -392,7 +392,9 @@ def install(evaluator: Any) -> None:
 # -- option parsing ----------------------------------------------------------------------------
 
 
-def _options(env: Env, args: list, start: int, spec: dict[str, bool], what: str, raw: set[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Location | None]]:  # type: ignore[assignment]
+def _options(
+    env: Env, args: list, start: int, spec: dict[str, bool], what: str, raw: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], dict[str, Location | None]]:
     """The `:key value` pairs of `args[start:]`, evaluated except the keys in `raw`.
 
     `spec` maps each allowed key to whether it is required.
@@ -405,8 +407,6 @@ def _options(env: Env, args: list, start: int, spec: dict[str, bool], what: str,
         if not isinstance(key, Keyword):
             raise SxError(f"{what}: expected an option (:name value), got {show(key)}", env.loc_of_arg(i))
         if key.name not in spec:
-            from sexpgpu.diagnostics import nearest
-
             hint = nearest(key.name, spec)
             raise SxError(
                 f"{what}: unknown option :{key.name}" + (f"; did you mean :{hint}?" if hint else f" (options: {' '.join(':' + k for k in spec)})"),
@@ -487,8 +487,6 @@ def _variants_of(env: Env, loc: Location | None) -> list[Variant]:
 
 
 def _parse_variant(env: Env, form: SxList, loc: Location | None) -> Variant:
-    from .data import element_loc
-
     if len(form) < 2 or not isinstance(form[1], Symbol):
         raise SxError("expected (defvariant name :knob value …)", loc)
     name = form[1].name
@@ -521,17 +519,19 @@ def _defvariant(env: Env, args: list, loc: Location | None) -> Shown:
 
 
 def _file_source(kind: str):
-    def make(loc: Location | None, path: Any, **options: Any) -> Source:
+    def make(loc: Location | None, path: Any) -> Source:
         if not isinstance(path, str):
-            raise SxError(f"({kind} \"path\") needs a path string, got {show(path)}", loc)
-        extra = {k: (v.name if isinstance(v, Symbol) else v) for k, v in options.items()}
-        return Source(kind, {"path": path, **extra})
+            raise SxError(f'({kind} "path") needs a path string, got {show(path)}', loc)
+        return Source(kind, {"path": path})
 
     return make
 
 
 def _token_file(loc: Location | None, path: Any, *, dtype: Any = "u16") -> Source:
-    return _file_source("token-file")(loc, path, dtype=dtype)
+    """`(token-file "x.u16" :dtype u16|u32)`: one little-endian token id per element."""
+    source = _file_source("token-file")(loc, path)
+    source.options["dtype"] = dtype.name if isinstance(dtype, Symbol) else dtype
+    return source
 
 
 def _synthetic_tokens(loc: Location | None, *, vocab: Any, count: Any, seed: Any = 0, branch: Any = 4) -> Source:
@@ -548,7 +548,7 @@ def _defloader(env: Env, args: list, loc: Location | None) -> Defined:
     exp = experiment_of(env)
     name = symbol_arg(args, 0, env, "(defloader name :source … :fields … :batch …)")
     what = f"loader {name}"
-    opts, locs = _options(env, args, 1, {"source": True, "fields": True, "batch": True, "shuffle": False, "seed": False}, what, raw={"fields"})
+    opts, locs = _options(env, args, 1, {"source": True, "fields": True, "batch": True, "shuffle": False, "seed": False}, what, raw=frozenset({"fields"}))
     source = _kind(opts["source"], Source, f"{what} :source", "(token-file …), (text-file …), (npy-file …) or (synthetic-tokens …)", locs["source"])
     fields_form = opts["fields"]
     if not isinstance(fields_form, list) or not fields_form:
@@ -691,7 +691,7 @@ def _defdiagnostic(env: Env, args: list, loc: Location | None) -> Shown:
     exp = experiment_of(env)
     name = symbol_arg(args, 0, env, "(defdiagnostic name :of … :reducer … :every …)")
     what = f"diagnostic {name}"
-    opts, locs = _options(env, args, 1, {"of": True, "reducer": True, "every": True, "when": False}, what, raw={"reducer"})
+    opts, locs = _options(env, args, 1, {"of": True, "reducer": True, "every": True, "when": False}, what, raw=frozenset({"reducer"}))
     of = _kind(opts["of"], DiagnosticSource, f"{what} :of", '(grads "glob"), (params "glob") or (observed "glob")', locs["of"])
     reducer = opts["reducer"]
     if not isinstance(reducer, Symbol) or reducer.name not in REDUCERS:
