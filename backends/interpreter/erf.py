@@ -44,16 +44,36 @@ def erf(x: np.ndarray) -> np.ndarray:
     """erf of every element, computed in float64 and returned as float64."""
     x = np.asarray(x, dtype=np.float64)
     ax = np.abs(x)
-    out = np.ones_like(x)
     # fmin maps NaN to the saturated interval (NaN is restored below) so the cast is defined.
     interval = np.floor(np.fmin(ax, _SATURATION)).astype(np.int64)
     near = interval == 0
-    if near.any():
-        u = ax[near] ** 2
-        out[near] = ax[near] * chebyshev.chebval(2 * u - 1, _NEAR_ZERO)
-    for k, coeffs in enumerate(_UNIT_INTERVALS, start=1):
-        inside = interval == k
-        if inside.any():
-            out[inside] = chebyshev.chebval(2 * (ax[inside] - k) - 1, coeffs)
-    out[np.isnan(x)] = np.nan
+    if near.all():
+        out = ax * _clenshaw(2 * ax * ax - 1, _NEAR_ZERO)
+    else:
+        out = np.ones_like(x)
+        if near.any():
+            a = ax[near]
+            out[near] = a * _clenshaw(2 * a * a - 1, _NEAR_ZERO)
+        for k, coeffs in enumerate(_UNIT_INTERVALS, start=1):
+            inside = interval == k
+            if inside.any():
+                out[inside] = _clenshaw(2 * (ax[inside] - k) - 1, coeffs)
+        out[np.isnan(x)] = np.nan
     return np.copysign(out, x)
+
+
+def _clenshaw(t: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
+    """Σ c_k T_k(t) by Clenshaw's recurrence, in place over three rotating buffers."""
+    two_t = 2 * t
+    b1 = np.zeros_like(t)
+    b2 = np.zeros_like(t)
+    scratch = np.empty_like(t)
+    for c in coeffs[:0:-1]:
+        np.multiply(two_t, b1, out=scratch)
+        scratch -= b2
+        scratch += c
+        b2, b1, scratch = b1, scratch, b2
+    np.multiply(t, b1, out=scratch)
+    scratch -= b2
+    scratch += coeffs[0]
+    return scratch
