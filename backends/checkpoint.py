@@ -38,8 +38,8 @@ PARAMS_FILE = "params.safetensors"
 STATES_FILE = "optimizer.safetensors"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-#: A test hook: seconds to pause between writing the tensors and the manifest, so a
-#: test can kill the process in the middle of a checkpoint.
+#: A test hook, `STEP:SECONDS`: pause that long between writing the tensors and the
+#: manifest of that step's checkpoint, so a test can kill the process in the middle of it.
 PAUSE_ENV = "SEXPGPU_TEST_CHECKPOINT_PAUSE"
 
 
@@ -98,14 +98,14 @@ def write_checkpoint(run_dir: Path, step: int, params: dict[str, np.ndarray], st
     temporary.mkdir()
     save_file(_contiguous(params), str(temporary / PARAMS_FILE))
     save_file(_contiguous(states), str(temporary / STATES_FILE))
-    pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-    if pause > 0:
-        time.sleep(pause)
+    pause_step, _, pause_seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    if pause_step == str(step):
+        time.sleep(float(pause_seconds))
     record = {
+        **manifest,
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        **manifest,
         "files": {name: file_sha256(temporary / name) for name in (PARAMS_FILE, STATES_FILE)},
     }
     (temporary / MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

@@ -368,7 +368,7 @@ class Trainer:
             "sources": self.exp.source_hashes(),
             "fingerprint": self.exp.fingerprint(),
             "parameters": {op.attributes["path"]: list(op.attributes["type"].shape) for op in self.exp.param_ops},
-            "version": __version__,
+            "sexpgpu_version": __version__,
         }
 
     def checkpoint(self, events: EventLog, reporter: ProgressReporter, step: int) -> None:

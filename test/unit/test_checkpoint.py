@@ -91,7 +91,7 @@ def test_killed_writer_leaves_the_previous_checkpoint_loadable(tmp_path):
         "from sexpgpu.backends.checkpoint import write_checkpoint\n"
         "write_checkpoint(sys.argv[1], 2, {'model.w': np.zeros((3, 4), np.float32)}, {}, {})\n"
     )
-    writer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env={**os.environ, PAUSE_ENV: "30"})
+    writer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env={**os.environ, PAUSE_ENV: "2:30"})
     deadline = time.time() + 20
     while not list((tmp_path / "checkpoints").glob(".step-2.tmp-*/params.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
