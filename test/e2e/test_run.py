@@ -20,10 +20,10 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-
 from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
+
 from sexpgpu.diagnostics import SxError
 
 ROOT = Path(__file__).resolve().parents[2]
