@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TextIO
 
 from attrs import define
-from sexpgpu.dialects.core import Operation, SymbolRef, TensorType, Value
+from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
 
 from sexpgpu import __version__
 from sexpgpu.diagnostics import Location, SxError, display_path
@@ -75,17 +75,14 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
     it was reached through) names, in first-seen order: the requires and the
     prelude that made the graphs. A file that cannot be read is left out.
     """
-    seen: dict[str, None] = {}
-    if unit.path:
-        seen[os.path.abspath(unit.path)] = None
+    named: dict[str, None] = {unit.path: None} if unit.path else {}
     for op in unit.module.walk():
         loc = op.loc
         while loc is not None:
-            if not loc.file.startswith("<"):
-                seen.setdefault(os.path.abspath(loc.file), None)
+            named[loc.file] = None
             loc = loc.via
     out = []
-    for path in seen:
+    for path in dict.fromkeys(os.path.abspath(f) for f in named if not f.startswith("<")):
         try:
             with open(path, "rb") as f:
                 digest = hashlib.sha256(f.read()).hexdigest()
@@ -102,9 +99,12 @@ class _Writer:
     def __init__(self, out: TextIO, compact: bool) -> None:
         self.out = out
         self.compact = compact
-        separators = self.separators
-        self._fast = json.JSONEncoder(separators=separators, allow_nan=False, default=_unknown_type, ensure_ascii=False)
-        self._safe = json.JSONEncoder(separators=separators, ensure_ascii=False)
+        comma, colon = self.separators
+        # The C encoder itself, made once: JSONEncoder.encode would rebuild it on every call.
+        self._fast = json.encoder.c_make_encoder(
+            None, _unknown_type, json.encoder.encode_basestring, None, colon, comma, False, False, False
+        )
+        self._safe = json.JSONEncoder(separators=self.separators, ensure_ascii=False)
 
     @property
     def separators(self) -> tuple[str, str]:
@@ -113,7 +113,7 @@ class _Writer:
     def encode(self, value: Any) -> str:
         """One value on one line; the C encoder unless a non-finite float needs converting."""
         try:
-            return self._fast.encode(value)
+            return "".join(self._fast(value, 0))
         except ValueError:
             return self._safe.encode(plain(value))
 
@@ -152,39 +152,49 @@ class _Writer:
         self.out.write((self.newline(depth) if wrote else "") + "]")
 
 
-@define
 class _GraphEncoder:
-    """Encodes one graph's ops, numbering its values 0, 1, ... in definition order."""
+    """Encodes one graph's ops, numbering its values 0, 1, ... in definition order.
 
-    writer: _Writer
-    ids: dict[Value, int]
-    types: dict[TensorType, str]
-    locs: dict[Location, str]
+    Values, types and locations are looked up by `id`: their own hashes are
+    Python-level, and the objects live (unchanged) for the whole write.
+    """
+
+    def __init__(self, writer: _Writer, types: dict[int, str], locs: dict[int, str]) -> None:
+        self.writer = writer
+        self.ids: dict[int, int] = {}
+        self.types = types
+        self.locs = locs
+        #: A file name as JSON, by the name a location holds.
+        self.files: dict[str, str] = {}
+        self.comma, self.colon = writer.separators
 
     def type_of(self, t: TensorType) -> str:
-        text = self.types.get(t)
+        text = self.types.get(id(t))
         if text is None:
-            text = self.types[t] = self.writer.encode({"shape": list(t.shape), "dtype": t.dtype})
+            c, k = self.comma, self.colon
+            text = self.types[id(t)] = f'{{"shape"{k}[{c.join(map(str, t.shape))}]{c}"dtype"{k}"{t.dtype}"}}'
         return text
 
     def loc_of(self, loc: Location | None) -> str:
         if loc is None:
             return "null"
-        text = self.locs.get(loc)
+        text = self.locs.get(id(loc))
         if text is None:
-            text = self.locs[loc] = self.writer.encode(
-                {"file": display_path(loc.file), "line": loc.line, "col": loc.col}
-            )
+            file = self.files.get(loc.file)
+            if file is None:
+                file = self.files[loc.file] = json.dumps(display_path(loc.file), ensure_ascii=False)
+            c, k = self.comma, self.colon
+            text = self.locs[id(loc)] = f'{{"file"{k}{file}{c}"line"{k}{loc.line}{c}"col"{k}{loc.col}}}'
         return text
 
     def op_line(self, op: Operation) -> str:
         ids = self.ids
-        c, k = self.writer.separators
+        c, k = self.comma, self.colon
         results = []
         for r in op.results:
-            ids[r] = len(ids)
-            results.append(f'{{"id"{k}{ids[r]}{c}"type"{k}{self.type_of(r.type)}}}')
-        operands = c.join(str(ids[v]) for v in op.operands)
+            n = ids[id(r)] = len(ids)
+            results.append(f'{{"id"{k}{n}{c}"type"{k}{self.type_of(r.type)}}}')
+        operands = c.join([str(ids[id(v)]) for v in op.operands])
         attrs = self.writer.encode(op.attributes) if op.attributes else "{}"
         return (
             f'{{"op"{k}"{op.name}"{c}"operands"{k}[{operands}]{c}"results"{k}[{c.join(results)}]{c}'
@@ -205,8 +215,8 @@ def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
     selection = by_name.get("exp.selection", [])
     runs = by_name.get("exp.run", [])
     w = _Writer(out, compact)
-    types: dict[TensorType, str] = {}
-    locs: dict[Location, str] = {}
+    types: dict[int, str] = {}
+    locs: dict[int, str] = {}
 
     def exp_list(ops: list[Operation]) -> Callable[[int], None]:
         return lambda depth: w.array((w.encode(op.attributes) for op in ops), depth)
@@ -225,7 +235,7 @@ def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
     def graph(func: Operation) -> Any:
         def body(depth: int) -> None:
             w.out.write("{")
-            encoder = _GraphEncoder(w, {}, types, locs)
+            encoder = _GraphEncoder(w, types, locs)
             w.members(
                 iter(
                     [
