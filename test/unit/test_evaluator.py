@@ -136,6 +136,7 @@ def test_tensor_dispatch_and_user_location(tmp_path):
         recorded.append((user_location(loc), call_trail()))
         return FakeTensor()
 
+    previous = TENSOR_OPS.get("+")
     TENSOR_OPS["+"] = add
     lib = tmp_path / "prelude.sx"
     lib.write_text("(defn plus1 (t)\n  (+ t 1))\n")
@@ -151,7 +152,11 @@ def test_tensor_dispatch_and_user_location(tmp_path):
         assert (where.via.file, where.via.line) == (str(lib), 2)
         assert [loc.line for loc in trail] == [1]
     finally:
-        del TENSOR_OPS["+"]
+        # Restore the tracer's '+' (installed when the experiment layer is imported).
+        if previous is None:
+            del TENSOR_OPS["+"]
+        else:
+            TENSOR_OPS["+"] = previous
         ev_mod.LIBRARY_FILES.difference_update({str(lib), os.path.abspath(lib)})
 
 
