@@ -70,7 +70,8 @@ def eliminate_common_subexpressions(block: Block) -> int:
 class CommonSubexpressionElimination(Pass):
     """Merges equal pure ops within each block of every `graph.func`.
 
-    Two ops are equal when their names, operands (the same values), attributes
+    Guarantees: afterwards no two pure ops of a block are equal, and every
+    value the graph computes is unchanged. Two ops are equal when their names, operands (the same values), attributes
     and result types are equal. The later op's uses move to the earlier op
     and the later op is erased. Impure ops (inputs, emits, returns) are never
     merged; ops holding regions are left alone.
