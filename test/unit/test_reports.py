@@ -335,3 +335,27 @@ def test_diff_sections_over_twenty_rows_print_twenty_and_a_count():
     assert lines[4] == "  model.p0   -  [1] f32 default"
     assert lines[24] == "  … and 12 more"
     assert len(lines) == 25
+
+
+# -- the examples, compiled -------------------------------------------------------------------
+
+
+def test_gpt_example_text_and_json_agree_with_independent_counts():
+    from sexpgpu.passes.manager import CompilationUnit, run_pipeline
+    from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "gpt.sx"
+    unit = run_pipeline(CompilationUnit(path=str(path), variant="smoke"), TRAINING_PIPELINE)
+    doc = report.build_document(unit.module, unit.facts, unit.path)
+    jsonschema.validate(json.loads(json.dumps(doc)), json.loads((SCHEMAS / "explain.schema.json").read_text()))
+    params = [op for op in unit.module.body.ops if op.name == "exp.param"]
+    assert doc["parameters"]["count"] == len(params) == 29
+    assert doc["parameters"]["elements"] == sum(op.attributes["type"].numel for op in params) == 470528
+    train = next(op for op in unit.module.body.ops if op.name == "graph.func" and op.attributes["kind"] == "train")
+    train_doc = doc["graphs"][0]
+    assert train_doc["nodes"] == len(train.body) - 1 == sum(o["count"] for o in train_doc["ops"])
+    assert doc["step"]["counters"] == [{"name": "tokens", "per_step": 4 * 65 * 4, "static": True}]
+    text = report.render_text(doc)
+    assert f"parameters: 29, {report.human_count(470528)} elements, {report.mib(470528 * 4)}" in text
+    assert f"  train  {train_doc['nodes']} nodes, 0 casts added by the f32 policy" in text
+    assert "  counter tokens   1040 per step (static)" in text
