@@ -97,15 +97,14 @@ class _Interrupt:
 
 
 class Experiment:
-    """The compiled experiment as the driver needs it: ops, graphs, loaders, initial parameters."""
+    """The experiment compiled through the training pipeline, as the driver needs it: ops and graphs."""
 
     def __init__(self, path: str, variant: str | None, sets: list[str]) -> None:
-        from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-        from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+        from sexpgpu.api import Experiment as CompiledExperiment
 
         self.path = path
-        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), TRAINING_PIPELINE)
-        module = unit.module
+        self.compiled = CompiledExperiment(path, variant, sets)
+        module = self.compiled.module
         ops = list(module.body.ops)
         self.module = module
         self.run_op = self._one(ops, "exp.run")
@@ -124,18 +123,6 @@ class Experiment:
         cadence = attrs.get("checkpoints")
         self.checkpoint_every = int(cadence) if isinstance(cadence, int) and cadence > 0 else None
         self.train_loader_name = str(attrs["loader"])
-
-    def init_params(self) -> dict[str, np.ndarray]:
-        """Every parameter's initial value: a function of the run seed and its path only."""
-        from sexpgpu.frontend.modules import Init, initial_value
-
-        params = {}
-        for op in self.param_ops:
-            init = dict(op.attributes["init"])
-            kind = str(init.pop("kind"))
-            path = str(op.attributes["path"])
-            params[path] = initial_value(Init(kind, init), tuple(op.attributes["type"].shape), self.seed, path)
-        return params
 
     @staticmethod
     def _one(ops: list[Any], name: str) -> Any:
@@ -192,7 +179,7 @@ class Trainer:
         self._compile_graphs()
         self._check_vocabularies()
         self.params = {path: np.ascontiguousarray(v, dtype=np.float32)
-                       for path, v in experiment.init_params().items()}
+                       for path, v in experiment.compiled.init_params().items()}
         self.states = {f"{path}/{state}": np.zeros(shape, np.float32)
                        for path, (_, states) in self.updates.items() for state, shape in states.items()}
         self.start_step = 0
