@@ -15,7 +15,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gpt_reference import TorchGPT  # noqa: E402  (after the torch skip)
-
 from sexpgpu.backends.loaders import Loader  # noqa: E402
 from sexpgpu.backends.training import Experiment, Trainer  # noqa: E402
 
