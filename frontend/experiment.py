@@ -48,7 +48,7 @@ from .modules import Init, ModelTree, Param, Shown, symbol_arg
 from .printing import show
 from .reader import read_file
 from .selection import Knob, Selection, Variant, plain_value
-from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, describe, dtype_name, tracing
+from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, as_tensor, describe, dtype_name, tracing
 
 PRELUDE_PATH = str(Path(__file__).with_name("prelude.sx"))
 
@@ -334,7 +334,7 @@ class Experiment:
             loss = invoke(run.objective, [self._prepared(run, batch)], loc)
             if not isinstance(loss, TensorLike) or getattr(loss, "shape", None) != ():
                 raise SxError(f"the objective must return a scalar loss tensor, got {describe(loss)}", loc)
-            loss_t = loss if isinstance(loss, Tensor) else loss.trace_value(trace, loc)  # type: ignore[attr-defined]
+            loss_t = as_tensor(loss, trace, loc, "objective")
             if loss_t.dtype not in ("f32", "bf16", "f16"):
                 raise SxError(f"the objective must return a float loss, got {NAME_OF_DTYPE.get(loss_t.dtype)}", loc)
         self._warn_unused_fields(trace, run.loader)

@@ -224,6 +224,18 @@ def module_of(value: Any) -> Module | None:
     return _MODULES.get(id(value))
 
 
+class Shown:
+    """A value that prints as fixed text (what a defining form shows)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __sx_repr__(self) -> str:
+        return self.text
+
+
 # -- special forms -----------------------------------------------------------------------------
 
 
@@ -246,18 +258,6 @@ def _defmodule(env: Env, args: list, loc: Location | None) -> Defined:
     builtin = Builtin(name, ctor.construct, wants_loc=True)
     env.bind_global(name, builtin)
     return Defined(name, Shown(f"#<module constructor {name}>"))
-
-
-class Shown:
-    """A value that prints as fixed text (what a defining form shows)."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __sx_repr__(self) -> str:
-        return self.text
 
 
 def _param(env: Env, args: list, loc: Location | None) -> Param:

@@ -348,6 +348,9 @@ def where(loc: Location | None, cond: object, a: object, b: object) -> Tensor:
     if c.dtype != "i1":
         raise SxError(f"'where' needs a bool condition, got {NAME_OF_DTYPE.get(c.dtype, c.dtype)}", loc)
     if not _is_tensor(a) and not _is_tensor(b):
+        for branch in (a, b):
+            if isinstance(branch, bool) or not isinstance(branch, (int, float)):
+                raise SxError(f"'where' expects tensors or numbers, got {describe(branch)}", loc)
         dtype = "f32" if isinstance(a, float) or isinstance(b, float) else "i32"
         ta, tb = trace.constant(a, c.shape, dtype, loc), trace.constant(b, c.shape, dtype, loc)  # type: ignore[arg-type]
         return trace.value("where", [c.value, ta.value, tb.value], loc)
