@@ -174,3 +174,20 @@ def test_classifier_example_compiles_and_runs_a_step():
     batch = {"x": rng.standard_normal((32, 8)).astype(np.float32), "label": rng.integers(0, 4, 32).astype(np.int32)}
     out = exp.run_graph("train", {**exp.init_params(), **batch})
     assert set(out["metrics"]) == {"train/loss", "train/accuracy"} and out["counters"]["records"] == 32
+
+
+def test_unused_field_warning_and_diagnostic_switches(tmp_path):
+    body = """
+(defloader two :source (npy-file "d.npz") :fields ((tokens [9] i32) (unused [3] f32)) :batch 2)
+(defknobs (watch false))
+(defdiagnostic g :of (grads "model.head.*") :reducer rms :every 5 :when watch)
+(defdiagnostic p :of (params "model.*") :reducer norm :every 5)
+(defoptimizer opt (sgd :lr 0.1))
+(defrun :steps 1 :loader two :objective objective :optimizer opt :diagnostics [g])
+"""
+    module, exp = evaluate(experiment_file(tmp_path, body), sets=["watch=true"])
+    assert ("field unused of loader two is not used by prepare or the objective", exp.loaders["two"].loc) in exp.warnings
+    enabled = {op.attributes["name"]: op.attributes["enabled"] for op in module.body.ops if op.name == "exp.diagnostic"}
+    assert enabled == {"g": True, "p": False}
+    module, _ = evaluate(experiment_file(tmp_path, body))
+    assert [op.attributes["enabled"] for op in module.body.ops if op.name == "exp.diagnostic"] == [False, False]
