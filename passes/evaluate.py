@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
+from sexpgpu.dialects.core import gc_paused
 from sexpgpu.frontend.evaluator import Evaluator, run_deep
 
 from sexpgpu.diagnostics import SxError
@@ -28,8 +29,10 @@ class EvaluatePass(Pass):
     def run(self, unit: CompilationUnit) -> None:
         if unit.path is None:
             raise SxError("evaluate: the unit has no .sx file to evaluate")
-        evaluator = Evaluator(variant=unit.variant, sets=unit.sets)
-        evaluator.eval_file(unit.path)
-        experiment = evaluator.experiment  # type: ignore[attr-defined]
-        unit.module = run_deep(lambda: experiment.build(unit.path))
+        # Everything evaluation and tracing allocate stays alive: collections would only re-traverse it.
+        with gc_paused():
+            evaluator = Evaluator(variant=unit.variant, sets=unit.sets)
+            evaluator.eval_file(unit.path)
+            experiment = evaluator.experiment  # type: ignore[attr-defined]
+            unit.module = run_deep(lambda: experiment.build(unit.path))
         unit.facts["experiment"] = experiment
