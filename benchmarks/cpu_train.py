@@ -7,7 +7,8 @@ for a few steps with sexpgpu's training driver, then the same model from the
 same parameters on the same batches in PyTorch eager, both in this process
 with the same number of threads. Prints tokens/s of each and their ratio, the
 per-op time profile of one interpreter train step (which ops dominate, by op
-name and by the model code that made them) and the peak RSS. Each step's time
+name and by the model code that made them, with the prelude line it went
+through) and the peak RSS of the sexpgpu steps (measured before torch loads). Each step's time
 is the median over the timed steps (after one warm-up step), so one
 scheduling hiccup on a shared machine does not move the figure.
 """
@@ -78,7 +79,10 @@ def op_profile(trainer, repeats: int = 3) -> tuple[dict[str, float], dict[str, f
                 values[op.result] = kernels[op].fn(*args)
                 elapsed = time.perf_counter() - started
                 by_op[op.name.removeprefix("graph.")] += elapsed / repeats
-                where = op.loc.short() if op.loc is not None else "unknown"
+                where = "unknown"
+                if op.loc is not None:
+                    via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""
+                    where = op.loc.short() + via
                 by_line[where] += elapsed / repeats
     total = sum(by_op.values())
     return dict(by_op), dict(by_line), total
@@ -117,6 +121,8 @@ def main() -> int:
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()
     ours = statistics.median(sexpgpu_step_times(trainer, args.steps))
+    # The peak so far is the training driver's alone: torch and the op-by-op profile come later.
+    training_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"model: examples/tiny-gpt.sx {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
           f"{tokens} tokens per step, {args.threads} threads)")
     print(f"sexpgpu interpreter  {tokens / ours:12,.0f} tokens/s  ({ours * 1000:.1f} ms per step)")
@@ -135,10 +141,9 @@ def main() -> int:
     for name, seconds in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name:16} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
     print("by the source line that made the ops:")
-    for where, seconds in sorted(by_line.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  {where:32} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"\npeak RSS {peak_kib / 1024:.0f} MiB")
+    for where, seconds in sorted(by_line.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {where:48} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
+    print(f"\npeak RSS of the sexpgpu training steps {training_peak_kib / 1024:.0f} MiB")
     return 0
 
 

@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-gpt.sx"
 #: Smoke-sized: 20 steps of a one-layer width-32 model, evaluated only at the end.
 SMALL = ["--variant", "smoke", "--set", "eval-every=1000"]
-#: bf16 losses stay within this relative distance of the f32 ones, step by step, over 50 steps.
-BF16_TOLERANCE = 0.02
+#: bf16 losses stay within this relative distance of the f32 ones, step by step, over 50 steps
+#: (measured: 3.3e-4 at most).
+BF16_TOLERANCE = 0.01
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
