@@ -236,6 +236,14 @@ def test_plot_writes_a_png(baseline, tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_says_how_to_install_it(baseline, monkeypatch, tmp_path):
+    from sexpgpu.tools.plot_cmd import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SxError, match=r"needs matplotlib; install it with: pip install 'sexpgpu\[plot\]'"):
+        plot(baseline, tmp_path / "m.png")
+
+
 def test_events_schema_ships_with_the_package():
     schema = events_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
