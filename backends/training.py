@@ -178,7 +178,7 @@ class Trainer:
         self.train_loader = self.loaders[experiment.train_loader_name]
         self._compile_graphs()
         self._check_vocabularies()
-        self.params = {path: np.ascontiguousarray(v, dtype=np.float32)
+        self.params = {path: np.array(v, dtype=np.float32, order="C")
                        for path, v in experiment.compiled.init_params().items()}
         self.states = {f"{path}/{state}": np.zeros(shape, np.float32)
                        for path, (_, states) in self.updates.items() for state, shape in states.items()}
@@ -230,10 +230,10 @@ class Trainer:
         manifest = checkpoint.manifest
         if manifest.get("fingerprint") != self.exp.fingerprint():
             raise SxError(self._difference(manifest, checkpoint.path))
-        for path in self.params:
-            self.params[path] = np.ascontiguousarray(checkpoint.params[path], dtype=np.float32)
-        for name in self.states:
-            self.states[name] = np.ascontiguousarray(checkpoint.states[name], dtype=np.float32)
+        for path, value in self.params.items():
+            np.copyto(value, checkpoint.params[path])
+        for name, value in self.states.items():
+            np.copyto(value, checkpoint.states[name])
         for name, state in manifest.get("loaders", {}).items():
             if name in self.loaders:
                 self.loaders[name].restore(state)
@@ -318,9 +318,10 @@ class Trainer:
             inputs = {"param": self.params[path], "grad": grads[f"grad/{path}"], "step": step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
             outputs = update(inputs).outputs
-            self.params[path] = outputs["param"]
+            # In place: the parameter and state buffers live for the whole run.
+            np.copyto(self.params[path], outputs["param"])
             for state in states:
-                self.states[f"{path}/{state}"] = outputs[state]
+                np.copyto(self.states[f"{path}/{state}"], outputs[state])
         count = self.exp.microbatches
         metrics = {name: total / count for name, total in metric_sums.items()}
         return loss_sum / count, metrics, counter_sums, observed

@@ -25,6 +25,8 @@ RELATIVE_TOLERANCE = 1e-4
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_losses_match_pytorch(tmp_path, microbatches):
+    # One torch thread: its spinning workers would fight numpy's BLAS threads for the cores.
+    torch.set_num_threads(1)
     sets = [f"steps={STEPS}", "layers=2", "eval-every=1000", "checkpoint-every=1000", f"microbatches={microbatches}"]
     exp = Experiment(str(EXAMPLE), "smoke", sets)
     trainer = Trainer(exp, tmp_path, None)
