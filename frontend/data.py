@@ -19,13 +19,31 @@ from sexpgpu.diagnostics import Location
 
 
 class Symbol:
-    """A name. Equal to any symbol with the same name; `loc` is where this occurrence was read."""
+    """A name. Equal to any symbol with the same name; `loc` is where this occurrence was read.
 
-    __slots__ = ("name", "loc")
+    The reader gives a symbol its source and offset (`src`, `pos`) instead of a `Location`:
+    `loc` builds it on first use (most symbols are never asked where they are).
+    """
 
-    def __init__(self, name: str, loc: Location | None = None) -> None:
+    __slots__ = ("name", "_loc", "_src", "_pos")
+
+    def __init__(self, name: str, loc: Location | None = None, src: Any = None, pos: int = 0) -> None:
         self.name = name
-        self.loc = loc
+        self._loc = loc
+        self._src = src
+        self._pos = pos
+
+    @property
+    def loc(self) -> Location | None:
+        loc = self._loc
+        if loc is None and self._src is not None:
+            loc = self._loc = self._src.loc(self._pos)
+        return loc
+
+    @loc.setter
+    def loc(self, value: Location | None) -> None:
+        self._loc = value
+        self._src = None
 
     def __eq__(self, other: object) -> bool:
         return other.__class__ is Symbol and other.name == self.name  # type: ignore[attr-defined]
@@ -58,37 +76,80 @@ class Keyword:
         return f"Keyword({self.name!r})"
 
 
-class SxList(list):
+class _Located(list):
+    """A list, vector or map datum: `loc` is its opening bracket, `locs[i]` locates element i (or is None).
+
+    What the reader makes carries its source (`src`, an object with `loc(offset)`), the
+    offset of its bracket (`pos`) and of each element (`offs`) instead of `Location`s:
+    `loc`, `locs` and `element_loc` build them on first use. Reading a file makes one
+    located value per token, and building a `Location` for each was most of its cost.
+    """
+
+    __slots__ = ("_loc", "_locs", "_src", "_pos", "_offs")
+
+    def __init__(
+        self,
+        items: Any = (),
+        loc: Location | None = None,
+        locs: list | None = None,
+        src: Any = None,
+        pos: int | None = None,
+        offs: list[int] | None = None,
+    ) -> None:
+        super().__init__(items)
+        self._loc = loc
+        self._locs = locs
+        self._src = src
+        self._pos = pos
+        self._offs = offs
+
+    @property
+    def loc(self) -> Location | None:
+        loc = self._loc
+        if loc is None and self._pos is not None:
+            loc = self._loc = self._src.loc(self._pos)
+        return loc
+
+    @loc.setter
+    def loc(self, value: Location | None) -> None:
+        self._loc = value
+        self._pos = None
+
+    @property
+    def locs(self) -> list | None:
+        locs = self._locs
+        if locs is None and self._offs is not None:
+            at = self._src.loc
+            locs = self._locs = [at(off) for off in self._offs]
+            self._offs = None
+        return locs
+
+    @locs.setter
+    def locs(self, value: list | None) -> None:
+        self._locs = value
+        self._offs = None
+
+    def with_items(self, items: Any) -> _Located:
+        """A datum of the same kind holding `items`, located where this one is (element i at i)."""
+        return self.__class__(items, self._loc, self._locs, self._src, self._pos, self._offs)
+
+
+class SxList(_Located):
     """A list datum `( … )`. `loc` is its opening paren; `locs[i]` locates element i (or is None)."""
 
-    __slots__ = ("loc", "locs")
-
-    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
-        super().__init__(items)
-        self.loc = loc
-        self.locs = locs
+    __slots__ = ()
 
 
-class SxVector(list):
+class SxVector(_Located):
     """A vector `[ … ]`: read syntax and runtime value (shapes, literal lists)."""
 
-    __slots__ = ("loc", "locs")
-
-    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
-        super().__init__(items)
-        self.loc = loc
-        self.locs = locs
+    __slots__ = ()
 
 
-class SxMap(list):
+class SxMap(_Located):
     """A map literal `{ k v … }` as read: keys and values alternate. Evaluates to a `dict`."""
 
-    __slots__ = ("loc", "locs")
-
-    def __init__(self, items: Any = (), loc: Location | None = None, locs: list | None = None) -> None:
-        super().__init__(items)
-        self.loc = loc
-        self.locs = locs
+    __slots__ = ()
 
 
 #: Quote-like prefixes and the symbol each reads as: 'x is (quote x).
@@ -105,7 +166,15 @@ def loc_of(datum: object) -> Location | None:
 
 def element_loc(container: object, index: int) -> Location | None:
     """Where element `index` of a list/vector/map datum was read; falls back to the container."""
-    locs = getattr(container, "locs", None)
+    if isinstance(container, _Located):
+        offs = container._offs
+        if offs is not None:
+            if index < len(offs):
+                return container._src.loc(offs[index])
+            return container.loc
+        locs = container._locs
+    else:
+        locs = getattr(container, "locs", None)
     if locs is not None and index < len(locs) and locs[index] is not None:
         return locs[index]
     return getattr(container, "loc", None)

@@ -721,11 +721,9 @@ class Evaluator:
             if head.__class__ is Symbol and head.name in (QUOTE, QUASIQUOTE):
                 # Templates expand after substitution, when the macro's result is expanded.
                 return form
-            items = [self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)]
-            return SxList(items, form.loc, form.locs)
+            return form.with_items([self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)])
         if isinstance(form, (SxVector, SxMap)):
-            items = [self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)]
-            return form.__class__(items, form.loc, form.locs)
+            return form.with_items([self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)])
         return form
 
     # -- analysis --

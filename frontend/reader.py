@@ -9,6 +9,7 @@ unbounded), and errors that name what was open ("unclosed '(' opened at 12:3").
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import math
@@ -127,120 +128,162 @@ def parse_number(token: str) -> int | float:
     return int(token)
 
 
-class _Frame:
-    """An open list, vector or map (or the top level) while reading."""
+class SourceText:
+    """A file's text as the reader saw it: turns offsets into `Location`s on demand.
 
-    __slots__ = ("opener", "items", "locs", "loc", "prefixes")
+    Datums keep offsets into it; `loc(offset)` finds the line (bisecting the newlines,
+    indexed on first use) and gives an atom its end column, exactly as a reader that
+    built every location up front would. Each offset's `Location` is built once.
+    """
 
-    def __init__(self, opener: str, loc: Location | None) -> None:
-        self.opener = opener
-        self.items: list = []
-        self.locs: list = []
-        self.loc = loc
-        #: Pending quote prefixes and datum comments, as (prefix, location), innermost last.
-        self.prefixes: list[tuple[str, Location]] = []
+    __slots__ = ("file", "text", "_newlines", "_cache")
+
+    def __init__(self, file: str, text: str) -> None:
+        self.file = file
+        self.text = text
+        self._newlines: list[int] | None = None
+        self._cache: dict[int, Location] = {}
+
+    def line_col(self, offset: int) -> tuple[int, int]:
+        """1-based line and column of `offset`."""
+        newlines = self._newlines
+        if newlines is None:
+            newlines = self._newlines = [m.start() for m in re.finditer("\n", self.text)]
+        line = bisect.bisect_left(newlines, offset)
+        return line + 1, offset - (newlines[line - 1] + 1 if line else 0) + 1
+
+    def loc(self, offset: int) -> Location:
+        """The location of the token at `offset`: atoms have an end column, brackets and prefixes none."""
+        loc = self._cache.get(offset)
+        if loc is None:
+            line, col = self.line_col(offset)
+            end = None
+            if self.text[offset] not in _UNSPANNED:
+                m = _scanner().match(self.text, offset)
+                tok = m.group(m.lastgroup)
+                if "\n" not in tok:
+                    end = col + len(tok)
+            loc = self._cache[offset] = Location(self.file, line, col, end)
+        return loc
+
+
+#: First characters of the tokens whose location has no end column (brackets, prefixes).
+_UNSPANNED = frozenset("([{)]}'`,#")
+
+#: Token kinds, as the reader's loop tells them apart.
+_OPEN, _CLOSE, _PREFIX, _DISCARDING, _SYMBOL, _NUMBER, _STRING, _KEYWORD = range(8)
+_KIND_OF_TERMINAL = {
+    "LPAREN": _OPEN, "LBRACKET": _OPEN, "LBRACE": _OPEN,
+    "RPAREN": _CLOSE, "RBRACKET": _CLOSE, "RBRACE": _CLOSE,
+    "QUOTE": _PREFIX, "QUASIQUOTE": _PREFIX, "UNQUOTE": _PREFIX, "UNQUOTE_SPLICING": _PREFIX,
+    "DATUM_COMMENT": _DISCARDING,
+    "SYMBOL": _SYMBOL, "INT": _NUMBER, "FLOAT": _NUMBER, "STRING": _STRING, "KEYWORD": _KEYWORD,
+}  # fmt: skip
+
+
+@functools.cache
+def _kinds() -> list:
+    """The token kind of each scanner group number (`Match.lastindex` is the terminal's group)."""
+    scanner = _scanner()
+    kinds: list = [None] * (scanner.groups + 1)
+    for name, index in scanner.groupindex.items():
+        kinds[index] = _KIND_OF_TERMINAL[name]
+    return kinds
+
+
+_NOT_A_CONSTANT = object()
 
 
 class _Reader:
     def __init__(self, text: str, file: str) -> None:
         self.text = text
         self.file = file
+        self.src = SourceText(file, text)
 
     def read_all(self) -> SxList:
-        text, file = self.text, self.file
-        top = _Frame("", None)
-        stack = [top]
-        frame = top
-        # Lines are found by walking the newlines as tokens advance (tokens come in order).
-        line, line_start = 1, 0
-        next_newline = text.find("\n")
-        expected = 0
-        for m in _scanner().finditer(text):
-            if m.start() != expected:
-                # Nothing scans at `expected`: only comments and whitespace left (finditer then
-                # matched inside a comment), or an error.
-                if _skipper().match(text, expected).end() == len(text):
-                    break
-                self._unscannable(expected)
-            expected = pos = m.end()
-            kind = m.lastgroup
-            tok = m.group(kind)
-            start = pos - len(tok)
-            while 0 <= next_newline < start:
-                line += 1
-                line_start = next_newline + 1
-                next_newline = text.find("\n", line_start)
-            col = start - line_start + 1
-            if kind == "STRING":
-                value = parse_string_literal(tok, file, line, col)
-                loc = Location(file, line, col) if "\n" in tok else Location(file, line, col, col + len(tok))
-            elif kind == "SYMBOL":
-                loc = Location(file, line, col, col + len(tok))
-                if tok in _ATOM_CONSTANTS:
-                    value = _ATOM_CONSTANTS[tok]
-                else:
-                    value = Symbol(tok, loc)
-            elif kind == "INT" or kind == "FLOAT":
-                loc = Location(file, line, col, col + len(tok))
-                value = parse_number(tok)
-            elif kind == "KEYWORD":
-                loc = Location(file, line, col, col + len(tok))
-                value = Keyword(tok[1:])
-            else:
-                punct = _PUNCTUATION[kind]
-                loc = Location(file, line, col)
-                if punct in _CLOSERS:
-                    frame = _Frame(punct, loc)
-                    stack.append(frame)
-                    continue
-                if punct in _PREFIXES or punct == _DISCARD:
-                    frame.prefixes.append((punct, loc))
-                    continue
-                # A closing bracket.
-                if frame.prefixes:
-                    self._dangling_prefix(frame, f"'{punct}'")
-                if frame is top:
-                    raise SxError(f"unexpected '{punct}' with nothing open", loc)
-                if _CLOSERS[frame.opener] != punct:
-                    opened = frame.loc
+        text, src = self.text, self.src
+        match = _scanner().match
+        kinds = _kinds()
+        constants = _ATOM_CONSTANTS
+        # The open containers, outermost first, each saved as (opener, offset, items, offsets,
+        # prefixes); the innermost one's are in the locals. The top level's opener is "".
+        stack: list[tuple] = []
+        opener, opened, items, offs = "", -1, [], []
+        #: Pending quote prefixes and datum comments of the open container, as (prefix, offset).
+        prefixes: list[tuple[str, int]] = []
+        pos = 0
+        while True:
+            m = match(text, pos)
+            if m is None:
+                break
+            group = m.lastindex
+            start, pos = m.span(group)
+            kind = kinds[group]
+            if kind is _SYMBOL:
+                tok = text[start:pos]
+                value = constants.get(tok, _NOT_A_CONSTANT)
+                if value is _NOT_A_CONSTANT:
+                    value = Symbol(tok, None, src, start)
+            elif kind is _OPEN:
+                stack.append((opener, opened, items, offs, prefixes))
+                opener, opened, items, offs, prefixes = text[start], start, [], [], []
+                continue
+            elif kind is _CLOSE:
+                punct = text[start]
+                if prefixes:
+                    self._dangling_prefix(prefixes, f"'{punct}'")
+                if not stack:
+                    raise SxError(f"unexpected '{punct}' with nothing open", src.loc(start))
+                if _CLOSERS[opener] != punct:
+                    line, col = src.line_col(opened)
                     raise SxError(
-                        f"expected '{_CLOSERS[frame.opener]}' to close '{frame.opener}' opened at "
-                        f"{opened.line}:{opened.col}, found '{punct}'",
-                        loc,
+                        f"expected '{_CLOSERS[opener]}' to close '{opener}' opened at {line}:{col}, found '{punct}'",
+                        src.loc(start),
                     )
-                if frame.opener == "{" and len(frame.items) % 2:
-                    raise SxError("a map needs a value for every key (odd number of forms)", frame.loc)
-                value = _CONTAINERS[frame.opener](frame.items, frame.loc, frame.locs)
-                loc = frame.loc
-                stack.pop()
-                frame = stack[-1]
+                if opener == "{" and len(items) % 2:
+                    raise SxError("a map needs a value for every key (odd number of forms)", src.loc(opened))
+                value = _CONTAINERS[opener](items, None, None, src, opened, offs)
+                start = opened
+                opener, opened, items, offs, prefixes = stack.pop()
+            elif kind is _NUMBER:
+                value = parse_number(text[start:pos])
+            elif kind is _STRING:
+                tok = text[start:pos]
+                if "\\" in tok:
+                    line, col = src.line_col(start)
+                    value = parse_string_literal(tok, self.file, line, col)
+                else:
+                    value = tok[1:-1]
+            elif kind is _KEYWORD:
+                value = Keyword(text[start + 1 : pos])
+            else:
+                prefixes.append((text[start:pos], start))
+                continue
             # A datum is complete: apply the prefixes waiting for it, innermost first.
-            prefixes = frame.prefixes
             while prefixes:
-                punct, ploc = prefixes.pop()
+                punct, at = prefixes.pop()
                 if punct == _DISCARD:
                     break
-                value = SxList([Symbol(_PREFIXES[punct], ploc), value], ploc, [ploc, loc])
-                loc = ploc
+                value = SxList([Symbol(_PREFIXES[punct], None, src, at), value], None, None, src, at, [at, start])
+                start = at
             else:
-                frame.items.append(value)
-                frame.locs.append(loc)
-        if expected != len(text) and _skipper().match(text, expected).end() != len(text):
-            self._unscannable(expected)
-        if len(stack) > 1:
-            opened = stack[-1]
+                items.append(value)
+                offs.append(start)
+        if pos != len(text) and _skipper().match(text, pos).end() != len(text):
+            self._unscannable(pos)
+        if stack:
+            line, col = src.line_col(opened)
             raise SxError(
-                f"unclosed '{opened.opener}' opened at {opened.loc.line}:{opened.loc.col}; "
-                f"expected '{_CLOSERS[opened.opener]}' before the end of the file",
-                opened.loc,
+                f"unclosed '{opener}' opened at {line}:{col}; expected '{_CLOSERS[opener]}' before the end of the file",
+                src.loc(opened),
             )
-        if top.prefixes:
-            self._dangling_prefix(top, "the end of the file")
-        return SxList(top.items, Location(file, 1, 1), top.locs)
+        if prefixes:
+            self._dangling_prefix(prefixes, "the end of the file")
+        return SxList(items, Location(self.file, 1, 1), None, src, None, offs)
 
-    def _dangling_prefix(self, frame: _Frame, found: str) -> None:
-        punct, ploc = frame.prefixes[-1]
-        raise SxError(f"expected a form after '{punct}', found {found}", ploc)
+    def _dangling_prefix(self, prefixes: list[tuple[str, int]], found: str) -> None:
+        punct, at = prefixes[-1]
+        raise SxError(f"expected a form after '{punct}', found {found}", self.src.loc(at))
 
     def _unscannable(self, pos: int) -> None:
         """Raise the error for the text at `pos` that no token matches."""

@@ -102,7 +102,39 @@ def test_fast_reader_agrees_with_lark(text):
     fast = read_text(text, "p.sx")
     reference = parse_with_lark(text, "p.sx")
     assert show(fast) == show(reference)
-    assert fast.locs == reference.locs
+    assert_same_locations(fast, reference)
+
+
+def assert_same_locations(fast, reference):
+    """Every container, element and symbol is located as the reference reader locates it."""
+    assert fast.__class__ is reference.__class__
+    if isinstance(fast, Symbol):
+        assert fast.loc == reference.loc
+    if isinstance(fast, (SxList, SxVector, SxMap)):
+        assert fast.loc == reference.loc
+        assert [element_loc(fast, i) for i in range(len(fast))] == reference.locs
+        assert fast.locs == reference.locs
+        for a, b in zip(fast, reference):
+            assert_same_locations(a, b)
+
+
+def test_locations_are_built_on_demand_and_shared():
+    forms = read_text("(f 'x\n  [1 \"a\nb\" :k])", "d.sx")
+    form = forms[0]
+    assert element_loc(form, 0) is form[0].loc is element_loc(form, 0)
+    vec = form[2]
+    assert vec.loc is element_loc(form, 2)
+    assert [(lc.line, lc.col, lc.end_col) for lc in vec.locs] == [(2, 4, 5), (2, 6, None), (3, 4, 6)]
+    quoted = form[1]
+    assert (quoted.loc.col, quoted.loc.end_col) == (4, None) and quoted[0].loc is quoted.loc
+    assert (quoted[1].loc.col, quoted[1].loc.end_col) == (5, 6)
+    # A location set by hand (as macro expansion stamps one) replaces the lazy one.
+    copy = vec.with_items([1, 2, 3])
+    assert copy.locs == vec.locs and copy.loc is vec.loc
+    vec.loc = None
+    assert vec.loc is None and copy.loc is not None
+    form[0].loc = None
+    assert form[0].loc is None
 
 
 @settings(max_examples=300, deadline=None)
