@@ -26,6 +26,7 @@ error ends it `failed` and is re-raised.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -111,11 +112,14 @@ class Experiment:
         self.selection = self._one(ops, "exp.selection").attributes
         self.param_ops = [op for op in ops if op.name == "exp.param"]
         self.loader_ops = {str(op.attributes["name"]): op for op in ops if op.name == "exp.loader"}
-        self.evaluation_ops = [op for op in ops if op.name == "exp.evaluation"]
-        self.diagnostic_ops = [op for op in ops if op.name == "exp.diagnostic"
+        attrs = self.run_op.attributes
+        # Only what the defrun lists runs; a diagnostic can also be switched off by its `:when`.
+        evaluations = set(attrs.get("evaluations") or [])
+        diagnostics = set(attrs.get("diagnostics") or [])
+        self.evaluation_ops = [op for op in ops if op.name == "exp.evaluation" and op.attributes["name"] in evaluations]
+        self.diagnostic_ops = [op for op in ops if op.name == "exp.diagnostic" and op.attributes["name"] in diagnostics
                                and op.attributes.get("enabled", True) is not False]
         self.graphs = {_symbol(op.attributes["sym_name"]): op for op in ops if op.name == "graph.func"}
-        attrs = self.run_op.attributes
         self.steps = int(attrs["steps"])
         self.microbatches = int(attrs["microbatches"])
         self.precision = str(attrs["precision"])
@@ -144,12 +148,19 @@ class Experiment:
     def parameter_count(self) -> int:
         return sum(op.attributes["type"].numel for op in self.param_ops)
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """SHA-256 of the experiment's IR without locations: equal iff the same computation."""
+        """SHA-256 of the experiment's IR without locations or the selection line.
+
+        Equal iff the same computation: a comment, a moved file or a knob set
+        to its default value changes nothing that runs.
+        """
         from sexpgpu.dialects.printer import print_module
 
-        return hashlib.sha256(_LOCATION.sub("", print_module(self.module)).encode()).hexdigest()
+        lines = [line for line in print_module(self.module).splitlines() if not line.startswith("exp.selection ")]
+        return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
 
+    @functools.cached_property
     def source_hashes(self) -> dict[str, str]:
         """SHA-256 of every source file an op of the experiment came from."""
         files = {op.loc.file for op in self.module.walk() if op.loc is not None and not op.loc.file.startswith("<")}
@@ -228,7 +239,7 @@ class Trainer:
     def _resume(self, resume: Path) -> None:
         checkpoint = read_checkpoint(resolve_checkpoint(resume))
         manifest = checkpoint.manifest
-        if manifest.get("fingerprint") != self.exp.fingerprint():
+        if manifest.get("fingerprint") != self.exp.fingerprint:
             raise SxError(self._difference(manifest, checkpoint.path))
         for path, value in self.params.items():
             np.copyto(value, checkpoint.params[path])
@@ -262,7 +273,7 @@ class Trainer:
                                f"{list(here[name]) if name in here else 'absent'} here")
         if not reasons:
             sources = manifest.get("sources", {})
-            changed = [f for f, h in self.exp.source_hashes().items() if sources.get(f) not in (None, h)]
+            changed = [f for f, h in self.exp.source_hashes.items() if sources.get(f) not in (None, h)]
             reasons.append(f"source changed: {', '.join(changed)}" if changed else "the graphs differ")
         return f"{head}: " + "; ".join(reasons)
 
@@ -353,8 +364,8 @@ class Trainer:
             "selection": {"variant": self.exp.selection.get("variant"), "knobs": self.exp.knobs()},
             "loaders": {name: loader.state() for name, loader in self.loaders.items()},
             "rng": {"seed": self.exp.seed, "loader_draws": "keyed by (loader seed, position)"},
-            "sources": self.exp.source_hashes(),
-            "fingerprint": self.exp.fingerprint(),
+            "sources": self.exp.source_hashes,
+            "fingerprint": self.exp.fingerprint,
             "parameters": {op.attributes["path"]: list(op.attributes["type"].shape) for op in self.exp.param_ops},
             "sexpgpu_version": __version__,
         }
@@ -377,8 +388,8 @@ class Trainer:
             manifest={
                 "steps": exp.steps, "start_step": self.start_step, "microbatches": exp.microbatches,
                 "batch": self.train_loader.batch, "precision": exp.precision, "seed": exp.seed,
-                "device": device, "tokens_per_step": self.tokens_per_step(), "sources": exp.source_hashes(),
-                "fingerprint": exp.fingerprint(), "version": __version__,
+                "device": device, "tokens_per_step": self.tokens_per_step(), "sources": exp.source_hashes,
+                "fingerprint": exp.fingerprint, "version": __version__,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             },
             parameters=exp.parameter_count,
