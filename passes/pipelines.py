@@ -2,5 +2,5 @@
 
 #: From a .sx file to every graph a training run executes.
 TRAINING_PIPELINE = (
-    "evaluate,autodiff,accumulate,diagnose,build-updates,fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
+    "evaluate,autodiff,diagnose,accumulate,build-updates,fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
 )
