@@ -81,6 +81,21 @@ def _accepts(fn: Callable[..., Any], n: int) -> bool:
     return True
 
 
+@functools.cache
+def _expected_args(fn: Callable[..., Any]) -> str:
+    """How many positional arguments `fn` takes, in words ("1 argument", "1 to 2 arguments")."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except ValueError:  # a C function without a signature (abs, round): one argument
+        return "1 argument"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    low = sum(1 for p in positional if p.default is p.empty)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return f"at least {low} argument{'' if low == 1 else 's'}"
+    high = len(positional)
+    return f"{low} argument{'' if low == 1 else 's'}" if low == high else f"{low} to {high} arguments"
+
+
 def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -> None:
     """Register an arithmetic builtin: fast on two numbers, tensors to `TENSOR_OPS`, else checked."""
 
@@ -93,7 +108,7 @@ def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -
                 raise BuiltinError(f"takes keyword arguments only on tensors, got :{next(iter(kwargs))}")
             _check_numbers(name, args)
             if not _accepts(scalar, len(args)):
-                raise BuiltinError(f"cannot take {len(args)} argument{'' if len(args) == 1 else 's'}")
+                raise BuiltinError(f"expects {_expected_args(scalar)}, got {len(args)}")
             return scalar(*args)
 
         builtin(name, loc=True, kwargs=True)(fn)
@@ -108,7 +123,7 @@ def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -
             return _tensor_call(name, loc, args, {})
         _check_numbers(name, args)
         if not _accepts(scalar, len(args)):
-            raise BuiltinError(f"cannot take {len(args)} argument{'' if len(args) == 1 else 's'}")
+            raise BuiltinError(f"expects {_expected_args(scalar)}, got {len(args)}")
         return scalar(*args)
 
     builtin(name, loc=True)(fn)
@@ -434,11 +449,21 @@ def _get(m: Any, key: Any, default: Any = None) -> Any:
 
 
 @builtin("assoc")
-def _assoc(m: Any, *pairs: Any) -> dict:
-    if m is not None and not isinstance(m, dict):
-        raise BuiltinError(f"expects a map, got {_described(m)}")
+def _assoc(m: Any, *pairs: Any) -> Any:
     if len(pairs) % 2:
         raise BuiltinError("expects keys and values in pairs")
+    if isinstance(m, list) and not isinstance(m, SxMap):
+        # A list or vector with index/value pairs (as `get` takes an index): a copy with those replaced.
+        items = list(m)
+        for i, v in zip(pairs[0::2], pairs[1::2]):
+            if i.__class__ is not int:
+                raise BuiltinError(f"expects integer indices for {_described(m)}, got {_described(i)}")
+            if not -len(items) <= i < len(items):
+                raise BuiltinError(f"index {i} is out of range for {_count_items(len(items))}")
+            items[i] = v
+        return _like(m, items)
+    if m is not None and not isinstance(m, dict):
+        raise BuiltinError(f"expects a map (or a list and an index), got {_described(m)}")
     out = dict(m or {})
     for k, v in zip(pairs[0::2], pairs[1::2]):
         out[k] = v

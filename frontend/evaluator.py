@@ -77,7 +77,7 @@ class Values:
         return hash(self.items)
 
     def __sx_repr__(self) -> str:
-        return "#<values " + " ".join(show(x) for x in self.items) + ">"
+        return "#<values" + "".join(" " + show(x) for x in self.items) + ">"
 
 
 class Defined:
@@ -207,7 +207,9 @@ class Closure:
         else:
             if extra and not spec.rest:
                 raise SxError(
-                    f"{self.describe()} expects {_count(nreq, 'argument')}, got {len(args)}", loc
+                    f"{self.describe()} expects {_count(nreq, 'argument')}, got {len(args)}: "
+                    f"extra argument {show(extra[0])}",
+                    loc,
                 )
             frame.extend(self.padding[(1 if spec.rest else 0):])
         return frame
@@ -267,7 +269,7 @@ class Builtin:
     takes `**kwargs`.
     """
 
-    __slots__ = ("name", "fn", "wants_loc", "keywords", "any_keyword", "min_args", "max_args")
+    __slots__ = ("name", "fn", "wants_loc", "keywords", "any_keyword", "min_args", "max_args", "arg_names")
 
     def __init__(self, name: str, fn: Callable, wants_loc: bool = False, kwargs: bool = False) -> None:
         self.name = name
@@ -276,6 +278,8 @@ class Builtin:
         params = list(inspect.signature(fn).parameters.values())[1 if wants_loc else 0 :]
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.min_args = sum(1 for p in positional if p.default is p.empty)
+        #: The positional parameters' names, as .sx writes them, to name a missing argument.
+        self.arg_names = [p.name.replace("_", "-") for p in positional]
         has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
         self.max_args = None if has_varargs else len(positional)
         self.keywords = (
@@ -300,7 +304,12 @@ class Builtin:
                 expected = f"at least {_count(self.min_args, 'argument')}"
             else:
                 expected = f"{self.min_args} to {self.max_args} arguments"
-            raise SxError(f"'{self.name}' expects {expected}, got {n}", loc)
+            if n < self.min_args:
+                missing = self.arg_names[n]
+                detail = f": missing '{missing}'" if not missing.startswith("-") else ""
+            else:
+                detail = f": extra argument {show(args[self.max_args])}"
+            raise SxError(f"'{self.name}' expects {expected}, got {n}{detail}", loc)
         try:
             if self.wants_loc:
                 return self.fn(loc, *args, **kwargs) if kwargs else self.fn(loc, *args)

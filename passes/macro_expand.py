@@ -2,8 +2,9 @@
 
 User macros must be known before their uses, so the forms that define names or
 load files (`defmacro`, `def`, `defn`, `require`) are evaluated in order as
-the pass goes; nothing else is evaluated. Quoted and quasiquoted data are left
-as written.
+the pass goes, also inside a top-level `do` (what a macro defining several
+things expands to); nothing else is evaluated. Quoted and quasiquoted data are
+left as written.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
-from sexpgpu.frontend.data import SxList, Symbol
+from sexpgpu.frontend.data import SxList, Symbol, element_loc
 from sexpgpu.frontend.evaluator import Evaluator, run_deep
 
-from sexpgpu.diagnostics import SxError
+from sexpgpu.diagnostics import Location, SxError
 
 from .manager import CompilationUnit, Pass, register_pass
 
@@ -41,8 +42,17 @@ class MacroExpandPass(Pass):
                 form = evaluator.expand_all(form, loc)
                 expanded.append(form)
                 expanded.locs.append(loc)
-                if isinstance(form, SxList) and form and isinstance(form[0], Symbol) and form[0].name in DEFINING_HEADS:
-                    evaluator.eval_toplevel(form, loc)
+                define(form, loc)
             return expanded
+
+        def define(form: object, loc: Location | None) -> None:
+            """Evaluate `form` if it defines something; the defining forms of a top-level `do`."""
+            if not (isinstance(form, SxList) and form and isinstance(form[0], Symbol)):
+                return
+            if form[0].name in DEFINING_HEADS:
+                evaluator.eval_toplevel(form, loc)
+            elif form[0].name == "do":
+                for i in range(1, len(form)):
+                    define(form[i], element_loc(form, i) or loc)
 
         unit.forms = run_deep(expand_all)
