@@ -1,4 +1,4 @@
-"""The GPT of `examples/tiny-gpt.sx` written independently in PyTorch, as the language's meaning says.
+"""The GPT of `examples/tiny-gpt.sx` (and of the spec's `examples/gpt.sx`) written independently in PyTorch, as the language's meaning says.
 
 Used by `test_torch_reference.py` (same losses from the same parameters and
 batches) and by `benchmarks/cpu_train.py` (the eager baseline). The optimizer
@@ -88,7 +88,9 @@ class TorchGPT:
             x = x + self._attention(f"{block}.attn", self._layernorm(f"{block}.norm1", x))
             hidden = F.gelu(self._linear(f"{block}.mlp.fc", self._layernorm(f"{block}.norm2", x)))
             x = x + self._linear(f"{block}.mlp.proj", hidden)
-        logits = self._linear("model.head", self._layernorm("model.norm", x))
+        # tiny-gpt.sx names the output projection `head`, the spec's gpt.sx `proj` (without bias).
+        head = "model.head" if "model.head.weight" in self.params else "model.proj"
+        logits = self._linear(head, self._layernorm("model.norm", x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def train_step(self, microbatches: list[np.ndarray] | np.ndarray, step: int) -> float:
