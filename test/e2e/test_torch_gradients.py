@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import sexpgpu  # noqa: E402  (after the torch skip)
 from gpt_reference import TorchGPT  # noqa: E402
+
+import sexpgpu  # noqa: E402  (after the torch skip)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.sx"
 RELATIVE_TOLERANCE = 1e-4
