@@ -157,11 +157,27 @@ def test_non_finite_loss_ends_diverged_naming_the_step(tmp_path):
     out = tmp_path / "diverged"
     result = run_cli("run", str(EXAMPLE), *SMALL, "--set", "lr=1e30", "--out", str(out), check=False)
     assert result.returncode == 1
-    end = read_events(out / "events.jsonl")[-1]
+    events = read_events(out / "events.jsonl")
+    validator = jsonschema.Draft202012Validator(events_schema())
+    for event in events:
+        validator.validate(event)
+    assert None in events[-2]["metrics"].values()
+    end = events[-1]
     assert end["status"] == "diverged"
     assert end["message"].startswith(f"step {end['step']}: ") and " is " in end["message"]
     assert "training diverged at step" in result.stderr
     assert not list_checkpoints(out) or max(s for s, _ in list_checkpoints(out)) < end["step"]
+
+
+def test_synthetic_tokens_train_without_a_file(tmp_path):
+    """A branch-2 Markov chain is learnable far below the 256-way uniform loss (5.5 nats)."""
+    example = tmp_path / "synthetic.sx"
+    example.write_text(EXAMPLE.read_text().replace(
+        '(token-file "data/train.u16")', "(synthetic-tokens :vocab 256 :count 50000 :seed 3 :branch 2)"))
+    shutil.copytree(ROOT / "examples" / "data", tmp_path / "data")
+    run_cli("run", str(example), *SMALL, "--set", "steps=60", "--set", "lr=0.01", "--out", str(tmp_path / "out"))
+    losses = step_losses(tmp_path / "out")
+    assert np.mean([losses[s] for s in range(56, 61)]) < 3.5
 
 
 def line_of(path: Path, text: str) -> int:
