@@ -197,8 +197,10 @@ def _math(fn: Callable[[float], Any]) -> Callable[[Any], Any]:
 def _pow(a: Any, b: Any) -> Any:
     try:
         result = a**b
-    except (ZeroDivisionError, OverflowError) as e:
+    except ZeroDivisionError as e:
         raise BuiltinError(f"{e}: (pow {show(a)} {show(b)})") from None
+    except OverflowError:
+        raise BuiltinError(f"the result is too large for a float: (pow {show(a)} {show(b)})") from None
     if isinstance(result, complex):
         raise BuiltinError(f"(pow {show(a)} {show(b)}) is not a real number")
     return result

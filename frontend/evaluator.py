@@ -318,6 +318,8 @@ class Builtin:
             raise SxError(f"'{self.name}': {e}", loc) from None
         except RecursionError:
             raise SxError(f"'{self.name}': the data nests too deeply", loc) from None
+        except OverflowError as e:  # an int too large for a float, in any builtin's arithmetic
+            raise SxError(f"'{self.name}': {e}", loc) from None
 
     def _split_keywords(self, args: list, loc: Location | None) -> dict[str, Any]:
         """The trailing `:name value` pairs, as Python keyword arguments."""

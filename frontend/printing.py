@@ -9,6 +9,7 @@ reads back as the same form). Any other object prints through the
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxMap, SxVector, Symbol
@@ -27,7 +28,7 @@ def show(value: Any) -> str:
         return "false"
     cls = value.__class__
     if cls is int:
-        return str(value)
+        return _show_int(value)
     if cls is float:
         return _show_float(value)
     if cls is str:
@@ -57,6 +58,18 @@ def show(value: Any) -> str:
 def show_form(form: Any) -> str:
     """A form as the `macro-expand` dump prints it (read syntax)."""
     return show(form)
+
+
+def _show_int(x: int) -> str:
+    try:
+        return str(x)
+    except ValueError:  # over Python's digit limit for int -> str (4300): print it all the same
+        limit = sys.get_int_max_str_digits()
+        sys.set_int_max_str_digits(0)
+        try:
+            return str(x)
+        finally:
+            sys.set_int_max_str_digits(limit)
 
 
 def _show_float(x: float) -> str:
