@@ -415,7 +415,7 @@ class Trainer:
                     tokens_done += self.tokens_per_step()
                     step_seconds += seconds
                     rate = self.tokens_per_step() / seconds if seconds > 0 else 0.0
-                    events.write("step", step=step, metrics={"loss": loss, **metrics}, counters=counters,
+                    events.write("step", step=step, loss=loss, metrics=metrics, counters=counters,
                                  seconds=seconds, tokens_per_s=rate)
                     bad = next((name for name, v in {"loss": loss, **metrics}.items() if not math.isfinite(v)), None)
                     if bad is not None:

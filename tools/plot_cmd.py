@@ -16,18 +16,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def metric_series(events: list[dict]) -> dict[str, dict[int, float]]:
-    """Metric name → {step: value}, train metrics from `step` events and evaluations' from `eval` events.
+    """Metric name → {step: value}: train metrics and the objective from `step` events, evaluations' from `eval`.
 
     A resumed run appends to the log, so a step may appear twice; the later
     line wins, as it is the one the final parameters descend from.
     """
     series: dict[str, dict[int, float]] = {}
+    objective: dict[int, float] = {}
     for event in events:
         if event.get("type") not in ("step", "eval"):
             continue
+        if event["type"] == "step" and event.get("loss") is not None:
+            objective[int(event["step"])] = float(event["loss"])
         for name, value in event.get("metrics", {}).items():
             if value is not None:
                 series.setdefault(name, {})[int(event["step"])] = float(value)
+    # The objective is usually also a metric (`(metric train/loss loss)`); draw it only when not.
+    train_metrics = {name for e in events if e.get("type") == "step" for name in e.get("metrics", {})}
+    if objective and not any(panel_of(name) == "loss" for name in train_metrics):
+        series["loss"] = objective
     return series
 
 
