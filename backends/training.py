@@ -298,13 +298,13 @@ class Trainer:
             return self.train_accumulating
         return self.train_diagnosed if diagnosed and self.train_diagnosed is not None else self.train
 
-    def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, float], dict[str, np.ndarray]]:
+    def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, int | float], dict[str, np.ndarray]]:
         """One optimizer step; returns the loss, metrics, counters and the observations."""
         diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.exp.diagnostic_ops)
         grads: dict[str, np.ndarray] | None = None
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
-        counter_sums: dict[str, float] = {}
+        counter_sums: dict[str, int | float] = {}
         observed: dict[str, np.ndarray] = {}
         for index in range(self.exp.microbatches):
             graph = self._microbatch_graph(index, diagnosed)
@@ -314,7 +314,7 @@ class Trainer:
             for name, value in result.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
             for name, value in result.counters.items():
-                counter_sums[name] = counter_sums.get(name, 0.0) + float(np.sum(value))
+                counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
             observed.update(result.observed)
         assert grads is not None
         if self.exp.microbatches > 1:
@@ -522,5 +522,8 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
         out_dir = checkpoint.parent.parent
     else:
         out_dir = default_out_dir(path)
+    if resume_path is None and (out_dir / "events.jsonl").exists():
+        raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
+                      f"--resume {display_path(str(out_dir))}, or choose another --out")
     trainer = Trainer(experiment, out_dir, resume_path, stream, interactive)
     return trainer.run(device)

@@ -82,6 +82,7 @@ def test_run_trains_and_records_valid_events_and_checkpoints(baseline):
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert events[-1]["status"] == "done" and events[-1]["step"] == 20
     assert events[0]["parameters"] > 0 and events[0]["manifest"]["precision"] == "f32"
+    assert {e["counters"]["tokens"] for e in events if e["type"] == "step"} == {4 * 16}
     losses = step_losses(baseline)
     assert sorted(losses) == list(range(1, 21))
     first, last = np.mean([losses[s] for s in range(1, 6)]), np.mean([losses[s] for s in range(16, 21)])
@@ -218,6 +219,13 @@ def test_bad_data_on_the_command_line_exits_1_with_a_located_diagnostic(tmp_path
     line = line_of(example, "(defloader val-loader")
     assert f"tiny-gpt.sx:{line}:1: error: loader val-loader: cannot read data/val.u16: no such file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_new_run_does_not_write_into_an_existing_record(baseline):
+    before = (baseline / "events.jsonl").read_bytes()
+    with pytest.raises(SxError, match=r"already holds a run record; continue it with --resume"):
+        train(str(EXAMPLE), variant="smoke", out=baseline)
+    assert (baseline / "events.jsonl").read_bytes() == before
 
 
 def test_resume_refuses_another_experiment_naming_what_differs(baseline):
