@@ -288,8 +288,8 @@ class Trainer:
             elif spec.role == "batch":
                 inputs[spec.name] = batch[spec.name]
             elif spec.role == "grad" and grads is not None:
-                key = spec.name if spec.name in grads else f"grad/{spec.name}"
-                inputs[spec.name] = grads[key]
+                # `train_accumulating` names its gradient inputs like the outputs they continue.
+                inputs[spec.name] = grads[spec.name]
         return inputs
 
     def _microbatch_graph(self, index: int, diagnosed: bool) -> CompiledGraph:
