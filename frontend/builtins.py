@@ -426,7 +426,10 @@ def format_message(template: Any, args: tuple) -> str:
         raise BuiltinError(f"expects a format string, got {show(template)}")
     pieces = template.split("{}")
     if len(pieces) - 1 > len(args):
-        raise BuiltinError(f"the format {show(template)} needs {len(pieces) - 1} arguments, got {len(args)}")
+        need = len(pieces) - 1
+        raise BuiltinError(
+            f"the format {show(template)} needs {need} argument{'' if need == 1 else 's'}, got {len(args)}"
+        )
     out = [pieces[0]]
     for piece, arg in zip(pieces[1:], args):
         out += [display(arg), piece]
@@ -499,4 +502,7 @@ def _values(*items: Any) -> Values:
 
 @builtin("error", loc=True)
 def _error(loc: Location | None, message: Any, *args: Any) -> Any:
-    raise SxError(format_message(message, args) if isinstance(message, str) else display(message), loc)
+    if isinstance(message, str):
+        raise SxError(format_message(message, args), loc)
+    # (error 'bad-size n): the message and the arguments, as `str` would join them with spaces.
+    raise SxError(" ".join(display(x) for x in (message, *args)), loc)
