@@ -39,7 +39,6 @@ FLUSH_LINES = 2048
 EXP_LISTS = (("parameters", "exp.param"), ("loaders", "exp.loader"), ("evaluations", "exp.evaluation"),
              ("diagnostics", "exp.diagnostic"))
 
-
 def plain(value: Any) -> Any:
     """An attribute value as JSON data: tensor types as shape and dtype, symbols by name."""
     if isinstance(value, float):
@@ -76,8 +75,20 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
     prelude that made the graphs. A file that cannot be read is left out.
     """
     named: dict[str, None] = {unit.path: None} if unit.path else {}
-    for op in unit.module.walk():
-        loc = op.loc
+    locs: dict[int, Location | None] = {}
+
+    def visit(op: Operation) -> None:
+        # Loops rather than Operation.walk: a generator per op costs more than the rest of this.
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.ops:
+                    locs[id(inner.loc)] = inner.loc
+                    if inner.regions:
+                        visit(inner)
+
+    locs[id(unit.module.loc)] = unit.module.loc
+    visit(unit.module)
+    for loc in locs.values():
         while loc is not None:
             named[loc.file] = None
             loc = loc.via
@@ -101,7 +112,7 @@ class _Writer:
         self.compact = compact
         comma, colon = self.separators
         # The C encoder itself, made once: JSONEncoder.encode would rebuild it on every call.
-        self._fast = json.encoder.c_make_encoder(
+        self.fast = json.encoder.c_make_encoder(
             None, _unknown_type, json.encoder.encode_basestring, None, colon, comma, False, False, False
         )
         self._safe = json.JSONEncoder(separators=self.separators, ensure_ascii=False)
@@ -113,7 +124,7 @@ class _Writer:
     def encode(self, value: Any) -> str:
         """One value on one line; the C encoder unless a non-finite float needs converting."""
         try:
-            return "".join(self._fast(value, 0))
+            return "".join(self.fast(value, 0))
         except ValueError:
             return self._safe.encode(plain(value))
 
@@ -161,18 +172,28 @@ class _GraphEncoder:
 
     def __init__(self, writer: _Writer, types: dict[int, str], locs: dict[int, str]) -> None:
         self.writer = writer
-        self.ids: dict[int, int] = {}
+        self.ids: dict[int, str] = {}
         self.types = types
         self.locs = locs
         #: A file name as JSON, by the name a location holds.
         self.files: dict[str, str] = {}
+        #: Type and location texts by value, behind the caches by `id` (objects with equal values abound).
+        self.by_value: dict[tuple[Any, ...], str] = {}
         self.comma, self.colon = writer.separators
+        #: The text of an op line up to its operands, by op name.
+        self.heads: dict[str, str] = {}
+        #: A result's text after its id, by `id` of its type.
+        self.result_types: dict[int, str] = {}
 
     def type_of(self, t: TensorType) -> str:
         text = self.types.get(id(t))
         if text is None:
-            c, k = self.comma, self.colon
-            text = self.types[id(t)] = f'{{"shape"{k}[{c.join(map(str, t.shape))}]{c}"dtype"{k}"{t.dtype}"}}'
+            key = (t.shape, t.dtype)
+            text = self.by_value.get(key)
+            if text is None:
+                c, k = self.comma, self.colon
+                text = self.by_value[key] = f'{{"shape"{k}[{c.join(map(str, t.shape))}]{c}"dtype"{k}"{t.dtype}"}}'
+            self.types[id(t)] = text
         return text
 
     def loc_of(self, loc: Location | None) -> str:
@@ -180,26 +201,73 @@ class _GraphEncoder:
             return "null"
         text = self.locs.get(id(loc))
         if text is None:
-            file = self.files.get(loc.file)
-            if file is None:
-                file = self.files[loc.file] = json.dumps(display_path(loc.file), ensure_ascii=False)
-            c, k = self.comma, self.colon
-            text = self.locs[id(loc)] = f'{{"file"{k}{file}{c}"line"{k}{loc.line}{c}"col"{k}{loc.col}}}'
+            key = (loc.file, loc.line, loc.col)
+            text = self.by_value.get(key)
+            if text is None:
+                file = self.files.get(loc.file)
+                if file is None:
+                    file = self.files[loc.file] = json.dumps(display_path(loc.file), ensure_ascii=False)
+                c, k = self.comma, self.colon
+                text = self.by_value[key] = f'{{"file"{k}{file}{c}"line"{k}{loc.line}{c}"col"{k}{loc.col}}}'
+            self.locs[id(loc)] = text
         return text
 
     def op_line(self, op: Operation) -> str:
+        return next(self.op_lines([op]))
+
+    def op_lines(self, ops: Iterator[Operation]) -> Iterator[str]:
+        """Each op's line, made from pieces cached by op name, type and location (the hot loop of `ir`)."""
         ids = self.ids
         c, k = self.comma, self.colon
-        results = []
-        for r in op.results:
-            n = ids[id(r)] = len(ids)
-            results.append(f'{{"id"{k}{n}{c}"type"{k}{self.type_of(r.type)}}}')
-        operands = c.join([str(ids[id(v)]) for v in op.operands])
-        attrs = self.writer.encode(op.attributes) if op.attributes else "{}"
-        return (
-            f'{{"op"{k}"{op.name}"{c}"operands"{k}[{operands}]{c}"results"{k}[{c.join(results)}]{c}'
-            f'"attributes"{k}{attrs}{c}"loc"{k}{self.loc_of(op.loc)}}}'
-        )
+        heads = self.heads
+        types = self.result_types
+        locs = self.locs
+        encode = self.writer.encode
+        fast = self.writer.fast
+        mid = f"]{c}\"results\"{k}["
+        tail_sep = f"]{c}\"attributes\"{k}"
+        loc_sep = f"{c}\"loc\"{k}"
+        result_head = f'{{"id"{k}'
+        for op in ops:
+            name = op.name
+            head = heads.get(name)
+            if head is None:
+                head = heads[name] = f'{{"op"{k}{json.dumps(name)}{c}"operands"{k}['
+            operands = op.operands
+            if not operands:
+                used = ""
+            elif len(operands) == 1:
+                used = ids[id(operands[0])]
+            else:
+                used = c.join([ids[id(v)] for v in operands])
+            results = op.results
+            if len(results) == 1:
+                r = results[0]
+                n = ids[id(r)] = str(len(ids))
+                t = r.type
+                text = types.get(id(t))
+                if text is None:
+                    text = types[id(t)] = f"{c}\"type\"{k}{self.type_of(t)}}}"
+                made = f"{result_head}{n}{text}"
+            else:
+                made_list = []
+                for r in results:
+                    n = ids[id(r)] = str(len(ids))
+                    made_list.append(f"{result_head}{n}{c}\"type\"{k}{self.type_of(r.type)}}}")
+                made = c.join(made_list)
+            loc = op.loc
+            loc_text = locs.get(id(loc))
+            if loc_text is None:
+                loc_text = self.loc_of(loc)
+            attrs = op.attributes
+            if not attrs:
+                attrs_text = "{}"
+            else:
+                try:
+                    attrs_text = "".join(fast(attrs, 0))
+                except ValueError:  # a non-finite float
+                    attrs_text = encode(attrs)
+            yield f"{head}{used}{mid}{made}{tail_sep}{attrs_text}{loc_sep}{loc_text}}}"
 
 
 def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
@@ -243,7 +311,7 @@ def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
                         ("kind", func.attributes.get("kind")),
                         ("attributes", func.attributes),
                         ("loc", json.loads(encoder.loc_of(func.loc))),
-                        ("ops", lambda d: w.array((encoder.op_line(op) for op in func.body.ops), d)),
+                        ("ops", lambda d: w.array(encoder.op_lines(func.body.ops), d)),
                     ]
                 ),
                 depth + 1,
