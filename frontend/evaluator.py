@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sexpgpu.diagnostics import Location, SxError, nearest
+from sexpgpu.diagnostics import Location, SxError
 
 from .data import (
     QUASIQUOTE,
@@ -358,8 +358,13 @@ class Builtin:
 def suggest(name: str, candidates: Iterable[str]) -> str | None:
     """The name to suggest for a misspelt `name`: the nearest by edit distance, else by
     similarity (so a transposition in a short name, 'lenght' for 'len', still finds it)."""
-    candidates = list(candidates)
-    hint = nearest(name, candidates)
+    # A name sharing no character with `name` is no spelling of it ('c' is not a misspelt '-').
+    candidates = [c for c in candidates if not set(c).isdisjoint(name)]
+    # Edits allowed: one in a name of up to 3 characters ('mpa' is 'map', 'x' is not 'exp').
+    limit = 1 if len(name) <= 3 else max(2, len(name) // 3)
+    scored_edits = [(_edits(name, c, limit + 1), c) for c in candidates]
+    best_edit = min(scored_edits, default=None)
+    hint = best_edit[1] if best_edit is not None and best_edit[0] <= limit else None
     if hint is None:
         scored = [
             (difflib.SequenceMatcher(None, name, c).ratio(), len(os.path.commonprefix([name, c])), c)
@@ -368,6 +373,25 @@ def suggest(name: str, candidates: Iterable[str]) -> str | None:
         best = max(scored, default=None)
         hint = best[2] if best is not None and best[0] >= 0.6 else None
     return hint
+
+
+def _edits(a: str, b: str, cap: int) -> int:
+    """Edit distance with adjacent transpositions counted as one edit; `cap` once it exceeds it."""
+    if abs(len(a) - len(b)) >= cap:
+        return cap
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        if min(cur) >= cap:
+            return cap
+        prev2, prev = prev, cur
+    return min(prev[-1], cap)
 
 
 def _count(n: int, noun: str) -> str:
@@ -482,6 +506,11 @@ def invoke(fn: Any, args: list, loc: Location | None) -> Any:
         try:
             return fn.body(frame)
         except SxError as e:
+            if e.loc is not None and e.loc.file in LIBRARY_FILES and loc is not None and loc.file not in LIBRARY_FILES:
+                # An error inside library code (the prelude) is the user's call's: located there, via the library.
+                e.loc = loc.with_via(e.loc)
+                e.trail.clear()
+                raise
             # A deep recursion repeats one call site: keep each run of them once.
             trail = e.trail
             if loc is not None and (not trail or trail[-1] != loc) and len(trail) < _MAX_TRAIL:
@@ -795,6 +824,8 @@ class Evaluator:
                 return self.analyze(self.expand_1(macro, form, loc), scope, loc)
         fnode = self.analyze(head, scope, element_loc(form, 0))
         args = [self.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
+        if head.__class__ is Symbol and head.name in OPERAND_LOCATED and scope.lookup(head.name) is None:
+            return _operand_call_node(fnode, args, loc, form)
         return _call_node(fnode, args, loc)
 
     def _analyze_registered(self, special: Callable, form: SxList, scope: Scope) -> Callable[[list], Any]:
@@ -878,6 +909,64 @@ def _call_node(fnode: Callable, args: list, loc: Location | None) -> Callable[[l
         a, b, c = args
         return lambda f: invoke(fnode(f), [a(f), b(f), c(f)], loc)
     return lambda f: invoke(fnode(f), [n(f) for n in args], loc)
+
+
+#: Builtins whose errors may name the operand at fault (`SxError.operand`, an argument index):
+#: a call of one written in user code moves the error's caret to that argument's form.
+OPERAND_LOCATED: set[str] = set()
+
+
+def _operand_call_node(fnode: Callable, args: list, loc: Location | None, form: SxList) -> Callable[[list], Any]:
+    """A call whose error at this very form, naming an operand, is located at that operand."""
+
+    def node(f: list) -> Any:
+        fn = fnode(f)
+        values = [n(f) for n in args]
+        try:
+            return invoke(fn, values, loc)
+        except SxError as e:
+            operand = getattr(e, "operand", None)
+            if operand is not None:
+                e.operand = None
+                if e.loc is loc and 0 <= operand < len(args):
+                    where = element_loc(form, operand + 1)
+                    if where is not None and where is not loc:
+                        e.loc = spanned(where)
+            raise
+
+    return node
+
+
+def spanned(loc: Location) -> Location:
+    """`loc` with an end column spanning the bracketed form that starts there, when it ends on its line."""
+    if loc.end_col is not None:
+        return loc
+    from sexpgpu.diagnostics import source_line
+
+    line = source_line(loc.file, loc.line)
+    if line is None or loc.col < 1 or loc.col > len(line) or line[loc.col - 1] not in "([{":
+        return loc
+    depth, in_string, escaped = 0, False, False
+    for i in range(loc.col - 1, len(line)):
+        ch = line[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == ";":
+            break
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return Location(loc.file, loc.line, loc.col, i + 2, loc.via)
+    return loc
 
 
 def truthy(value: Any) -> bool:
