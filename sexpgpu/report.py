@@ -30,6 +30,12 @@ LARGEST_SHOWN_OTHER = 3
 CONSTANTS_SHOWN = 8
 #: Emit names the text lists per kind of emit before summarising the rest (the document keeps all).
 EMITS_SHOWN = 4
+#: The order the text lists emits in, by kind (the document keeps the graph's order).
+EMIT_ORDER = ("metric", "counter", "observe")
+#: Width of element-count columns: "25.8M" and "8192" right-aligned under one another, as on the seed page.
+COUNT_WIDTH = 6
+#: Width of dtype columns (the widest dtype name, "bf16").
+DTYPE_WIDTH = 4
 DEVICE_HOLE = "device: (hole) — run explain --device cuda on a GPU machine"
 
 #: How a graph.func's `kind` reads in reports; evaluations and clip graphs read as their symbol.
@@ -417,11 +423,13 @@ def _show_of(of: Any) -> str:
 
 def _show_emits(emits: list[dict[str, str]]) -> str:
     """`metric train/loss, counter tokens`; a kind with many names (observations) lists a few and counts."""
-    by_kind: dict[str, list[str]] = {}
+    by_kind: dict[str, list[str]] = {kind: [] for kind in EMIT_ORDER}
     for e in emits:
         by_kind.setdefault(e["kind"], []).append(e["name"])
     shown = []
     for kind, names in by_kind.items():
+        if not names:
+            continue
         merged = compress_paths(names)
         if len(merged) > EMITS_SHOWN:
             merged = [*merged[: EMITS_SHOWN - 1], f"... ({len(names)} in all)"]
@@ -436,20 +444,74 @@ def _render_selection(doc: dict[str, Any]) -> list[str]:
     return ["selection:", *_table(rows, 2, min_widths=(0, 10))]
 
 
+def _leaf_row(leaf: dict[str, Any], name: str, indent: int) -> list[str]:
+    return [" " * indent + name, show_shape(leaf["shape"]), leaf["dtype"], human_count(leaf["elements"]), leaf["group"]]
+
+
+def _numbered(name: str) -> tuple[str, int, str] | None:
+    """`blocks.3.attn.qkv.weight` as ("blocks", 3, "attn.qkv.weight"); None without a numbered component."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1 :])
+    return None
+
+
+def _span(numbers: list[int]) -> str:
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{{{numbers[0]}..{numbers[-1]}}}"
+    return "{" + ",".join(map(str, numbers)) + "}"
+
+
+def _tree_rows(leaves: list[dict[str, Any]], indent: int) -> list[list[str]]:
+    """A module's leaves by submodule: numbered submodules (`blocks.0`, `blocks.1`, ...) get a subtotal row
+    and their leaves relative to it; submodules whose leaves agree in name, shape, dtype and group fold into
+    one `blocks.{0..11}` row, so a twelve-layer model reads as one block."""
+    rows: list[list[str]] = []
+    i = 0
+    while i < len(leaves):
+        numbered = _numbered(leaves[i]["name"])
+        if numbered is None:
+            rows.append(_leaf_row(leaves[i], leaves[i]["name"], indent))
+            i += 1
+            continue
+        prefix = numbered[0]
+        # The run of leaves under prefix.N, in order, by N.
+        members: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        while i < len(leaves):
+            n = _numbered(leaves[i]["name"])
+            if n is None or n[0] != prefix:
+                break
+            members.setdefault(n[1], []).append((n[2], leaves[i]))
+            i += 1
+        head = f"{prefix}." if prefix else ""
+
+        def signature(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[Any, ...]]:
+            return [(rest, tuple(leaf["shape"]), leaf["dtype"], leaf["group"]) for rest, leaf in items]
+
+        first = next(iter(members.values()))
+        if len(members) > 1 and all(signature(m) == signature(first) for m in members.values()):
+            each = sum(leaf["elements"] for _, leaf in first)
+            rows.append([f"{' ' * indent}{head}{_span(sorted(members))}", f"{len(members)} × {human_count(each)}"])
+            rows += [_leaf_row(leaf, rest, indent + 2) for rest, leaf in first]
+            continue
+        for number, items in members.items():
+            rows.append([f"{' ' * indent}{head}{number}", human_count(sum(leaf["elements"] for _, leaf in items))])
+            rows += [_leaf_row(leaf, rest, indent + 2) for rest, leaf in items]
+    return rows
+
+
 def _render_parameters(doc: dict[str, Any]) -> list[str]:
     p = doc["parameters"]
     lines = [f"parameters: {p['count']}, {human_count(p['elements'])} elements, {mib(p['master_bytes'])} as f32 master weights"]
     rows: list[list[str]] = []
     for module in p["modules"]:
         rows.append(["  " + module["name"], human_count(module["elements"])])
-        for leaf in module["leaves"]:
-            rows.append(
-                ["    " + leaf["name"], show_shape(leaf["shape"]), leaf["dtype"], human_count(leaf["elements"]), leaf["group"]]
-            )
+        rows += _tree_rows(module["leaves"], 4)
     # Module totals sit in the shape column; leaves' element counts align right.
-    lines += _table(rows, 0, right=(3,))
+    lines += _table(rows, 0, right=(3,), min_widths=(0, 0, DTYPE_WIDTH, COUNT_WIDTH))
     lines.append("  groups:")
-    count_width = max((len(str(g["params"])) for g in doc["groups"]), default=0)
+    count_width = max([COUNT_WIDTH, *(len(str(g["params"])) for g in doc["groups"])])
     group_rows = [
         [
             g["name"],
@@ -466,23 +528,38 @@ def _render_parameters(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _largest_rows(tensors: list[dict[str, Any]]) -> list[list[str]]:
+    return [[human_count(t["elements"]), show_shape(t["shape"]), t["dtype"], t["op"], t["loc"] or "-"] for t in tensors]
+
+
 def _render_graphs(doc: dict[str, Any]) -> list[str]:
+    """Each graph with its ops, emits and largest tensors. The variants of the train graph say `as train`
+    where their largest tensors are train's; an optimizer group's update graphs show their one largest
+    tensor (the parameter's size) and no emits line when they emit nothing."""
     lines = ["graphs:"]
+    train = next((g for g in doc["graphs"] if g["kind"] == "train"), None)
     for g in doc["graphs"]:
-        count = f"{plural(len(g['symbols']), 'graph')}, " if g["kind"] == "update" else ""
+        update = g["kind"] == "update"
+        count = f"{plural(len(g['symbols']), 'graph')}, " if update else ""
         lines.append(
             f"  {g['name']}  {count}{g['nodes']} nodes, {plural(g['casts'], 'cast')} added by the "
             f"{doc['step']['precision']} policy"
         )
-        ops = ", ".join(f"{o['family']} {o['count']}" for o in g["ops"]) or "none"
-        emits = _show_emits(g["emits"])
-        lines += _table([["ops", ops], ["emits", emits]], 4, min_widths=(7,))
-        lines.append("    largest tensors:")
+        rows = [["ops", ", ".join(f"{o['family']} {o['count']}" for o in g["ops"]) or "none"]]
+        if g["emits"] or not update:
+            rows.append(["emits", _show_emits(g["emits"])])
         shown = g["largest"] if g["kind"] == "train" else g["largest"][:LARGEST_SHOWN_OTHER]
-        rows = [
-            [human_count(t["elements"]), show_shape(t["shape"]), t["dtype"], t["op"], t["loc"] or "-"] for t in shown
-        ]
-        lines += _table(rows, 6, right=(0,))
+        as_train = (
+            train is not None and g is not train and g["kind"].startswith("train") and shown == train["largest"][: len(shown)]
+        )
+        lines += _table(rows, 4, min_widths=(7,))
+        if update and shown:
+            lines.append("    largest tensor:  " + "  ".join(_largest_rows(shown[:1])[0]))
+        elif as_train:
+            lines.append("    largest tensors: as train")
+        elif not update:
+            lines.append("    largest tensors:")
+            lines += _table(_largest_rows(shown), 6, right=(0,), min_widths=(COUNT_WIDTH, 0, DTYPE_WIDTH))
     return lines
 
 

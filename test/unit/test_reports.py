@@ -228,6 +228,32 @@ def test_constants_elide_after_eight():
     assert report._show_constants([0.0, 1e-10, 0.05]) == "0, 1e-10, 0.05"
 
 
+def _leaf(name: str, shape: list[int], group: str = "default") -> dict[str, Any]:
+    elements = 1
+    for d in shape:
+        elements *= d
+    return {"path": f"model.{name}", "name": name, "shape": shape, "dtype": "f32", "elements": elements, "group": group}
+
+
+def test_tree_folds_alike_blocks():
+    leaves = [_leaf("embed.table", [16, 4], "model.embed.*")]
+    leaves += [_leaf(f"blocks.{i}.{p}", [4, 4]) for i in range(3) for p in ("fc.weight", "fc.bias")]
+    leaves += [_leaf("out.weight", [4, 16])]
+    rows = report._tree_rows(leaves, 4)
+    assert [r[0] for r in rows] == ["    embed.table", "    blocks.{0..2}", "      fc.weight", "      fc.bias", "    out.weight"]
+    assert rows[1][1] == "3 × 32"
+    assert rows[2][1:] == ["[4, 4]", "f32", "16", "default"]
+
+
+def test_tree_keeps_blocks_apart_when_they_differ():
+    # A block whose leaves land in another update group is its own subtree: nothing is folded away.
+    leaves = [_leaf("blocks.0.fc.weight", [4, 4], "fast"), _leaf("blocks.1.fc.weight", [4, 4])]
+    rows = report._tree_rows(leaves, 4)
+    assert [(r[0], r[-1]) for r in rows] == [
+        ("    blocks.0", "16"), ("      fc.weight", "fast"), ("    blocks.1", "16"), ("      fc.weight", "default"),
+    ]
+
+
 def test_compress_paths():
     paths = [f"model.blocks.{i}.attn" for i in range(12)] + ["model.norm", "model.blocks.0.mlp", "model.blocks.2.mlp"]
     assert report.compress_paths(paths) == ["model.blocks.{0..11}.attn", "model.norm", "model.blocks.{0,2}.mlp"]
