@@ -249,6 +249,12 @@ class Experiment:
         self.selection.check_command_line()
         group_ops = self._group_ops(run.optimizer)
         train = self._trace_train(run)
+        if not self.params:
+            raise SxError(
+                "the experiment has no parameters for the optimizer to train: register them with "
+                "(param name [dims]) in a defmodule that defmodel builds",
+                run.option_locs.get("optimizer") or run.loc,
+            )
         evaluations = [self._trace_evaluation(run, ev) for ev in run.evaluations]
         module = Operation.create("builtin.module", regions=[Region.with_block()])
         body = module.body

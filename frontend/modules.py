@@ -208,7 +208,7 @@ class Constructor:
         if not tree.path_stack:
             raise SxError(
                 f"module constructor '{self.name}' called outside defmodel or sub: "
-                "a module needs a path, e.g. (defmodel model ({self.name} …)) or (sub name ({self.name} …))",
+                f"a module needs a path, e.g. (defmodel model ({self.name} …)) or (sub name ({self.name} …))",
                 loc,
             )
         forward = invoke(self.body, list(args), loc)

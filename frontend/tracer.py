@@ -31,7 +31,7 @@ from sexpgpu.dialects.graph import ShapeError, broadcast_shapes, show_shape
 from sexpgpu.diagnostics import Location, SxError
 
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
-from .evaluator import register_builtin, user_location
+from .evaluator import OPERAND_LOCATED, register_builtin, user_location
 
 #: The language's dtype names and the graph dialect's (a bool tensor is `i1` in the IR).
 DTYPE_OF_NAME = {"f32": "f32", "bf16": "bf16", "f16": "f16", "i32": "i32", "i64": "i64", "bool": "i1"}
@@ -260,14 +260,17 @@ def _elementwise(
     trace = require_trace(f"'{what}'", loc)
     tensors = {i: as_tensor(a, trace, loc, what) for i, a in enumerate(args) if _is_tensor(a)}
     shape: tuple[int, ...] = also
-    for t in tensors.values():
+    for i, t in tensors.items():
         try:
             shape = broadcast_shapes(shape, t.shape)
         except ShapeError:
             shapes = [show_shape(u.shape) for u in tensors.values()]
             if also:
                 shapes.insert(0, show_shape(also))
-            raise SxError(f"shapes {' and '.join(shapes)} do not broadcast", loc) from None
+            err = SxError(f"shapes {' and '.join(shapes)} do not broadcast", loc)
+            # The operand that fails to broadcast with those before it: the caller may point at it.
+            err.operand = i  # type: ignore[attr-defined]
+            raise err from None
     dtype: str | None = None
     for t in tensors.values():
         dtype = t.dtype if dtype is None else _common_dtype(dtype, t.dtype, what, loc)
@@ -334,8 +337,15 @@ def _variadic(op: str, what: str, unary: str | None) -> Callable[..., Any]:
         if not args:
             raise SxError(f"'{what}' needs at least one argument", _op_loc(loc))
         acc = args[0]
-        for b in args[1:]:
-            acc = pair(loc, acc, b)
+        for k, b in enumerate(args[1:], 1):
+            try:
+                acc = pair(loc, acc, b)
+            except SxError as e:
+                # The pair's operand 1 is argument k; its operand 0 is argument 0 only for the first pair.
+                operand = getattr(e, "operand", None)
+                if operand is not None:
+                    e.operand = k if operand == 1 else (0 if k == 1 else None)  # type: ignore[attr-defined]
+                raise
         return acc
 
     return run
@@ -354,7 +364,12 @@ def where(loc: Location | None, cond: object, a: object, b: object) -> Tensor:
         dtype = "f32" if isinstance(a, float) or isinstance(b, float) else "i32"
         ta, tb = trace.constant(a, c.shape, dtype, loc), trace.constant(b, c.shape, dtype, loc)  # type: ignore[arg-type]
         return trace.value("where", [c.value, ta.value, tb.value], loc)
-    _, (ta, tb) = _elementwise("where", (a, b), loc, also=c.shape)
+    try:
+        _, (ta, tb) = _elementwise("where", (a, b), loc, also=c.shape)
+    except SxError as e:
+        if getattr(e, "operand", None) is not None:
+            e.operand += 1  # type: ignore[attr-defined]  (the condition is argument 0)
+        raise
     if c.shape != ta.shape:
         c = trace.value("broadcast", [c.value], loc, shape=list(ta.shape))
     return trace.value("where", [c.value, ta.value, tb.value], loc)
@@ -692,5 +707,7 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {
 EMITS: dict[str, Callable[..., Any]] = {"metric": emit_metric, "counter": emit_counter, "observe": emit_observe}
 
 TENSOR_OPS.update(OVERLOADED)
+#: Their broadcast errors name the operand at fault; a user's call points the caret at it.
+OPERAND_LOCATED.update(("+", "-", "*", "/", "pow", "maximum", "minimum", "=", "!=", "<", "<=", ">", ">=", "where"))
 for _name, _fn in PRIMITIVES.items():
     register_builtin(_name, _fn, loc=True, kwargs=_name == "sum")

@@ -43,11 +43,35 @@ def test_ops_carry_the_users_location():
     assert (op.loc.file, op.loc.line, op.loc.col) == ("t.sx", 2, 1)
 
 
-def test_shape_mismatch_names_both_shapes_at_the_form():
+def test_shape_mismatch_names_both_shapes_at_the_operand():
+    """verbs.md: the caret goes under the operand that fails to broadcast, spanning it."""
     with pytest.raises(SxError) as err:
         trace_text("(+ a b)", a=((4, 64, 128), "f32"), b=((64, 256), "f32"))
     assert err.value.message == "shapes [4 64 128] and [64 256] do not broadcast"
-    assert (err.value.loc.line, err.value.loc.col) == (1, 1)
+    assert (err.value.loc.line, err.value.loc.col, err.value.loc.end_col) == (1, 6, 7)
+
+
+@pytest.mark.parametrize("text,col,end", [
+    ("(+ b (exp  a))", 6, 14),     # a list operand: spanned to its closing bracket
+    ("(* b b a 2.0)", 8, 9),       # a variadic call: the argument that fails
+    ("(- (exp b) a)", 12, 13),
+    ("(where (> a 0.0) a b)", 20, 21),
+    ("(maximum a b)", 12, 13),
+])
+def test_shape_mismatch_points_at_the_failing_operand(text, col, end):
+    with pytest.raises(SxError) as err:
+        trace_text(text, a=((4, 64, 128), "f32"), b=((64, 256), "f32"))
+    assert "do not broadcast" in err.value.message
+    assert (err.value.loc.col, err.value.loc.end_col) == (col, end)
+
+
+def test_shape_mismatch_of_an_accumulated_operand_stays_at_the_form():
+    with pytest.raises(SxError) as err:
+        trace_text("(+ a a b)", a=((4, 64, 128), "f32"), b=((64, 256), "f32"))
+    assert (err.value.loc.col, err.value.loc.end_col) == (8, 9)
+    with pytest.raises(SxError) as err:
+        trace_text("(+ b b a)", a=((4, 64, 128), "f32"), b=((64, 256), "f32"))
+    assert err.value.loc.col == 8
 
 
 def test_matmul_shape_error():
