@@ -717,7 +717,13 @@ class Evaluator:
         if not os.path.isfile(path):
             raise SxError(f"cannot require '{target}': no such file {path}", loc)
         self.loaded.add(full)
-        self._eval_file(path)
+        try:
+            self._eval_file(path)
+        except SxError as e:
+            # An error in the required file lists the require among its "called from" lines.
+            if loc is not None and len(e.trail) < _MAX_TRAIL:
+                e.trail.append(loc)
+            raise
 
     def gensym(self, prefix: Any = "g") -> Symbol:
         """A fresh symbol, `g#1`: numbered per session, and `#` keeps it apart from ordinary names."""
