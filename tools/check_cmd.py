@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 
-from sexpgpu.dialects.core import tune_gc_for_large_ir
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
 from sexpgpu.passes.pipelines import TRAINING_PIPELINE
 
@@ -43,7 +42,6 @@ def check(path: str, variant: str | None, sets: list[str]) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    tune_gc_for_large_ir()
     result = check(args.file, args.variant, args.set)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
