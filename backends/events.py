@@ -65,14 +65,32 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """Every event of a log, in order (a torn last line from a killed run is skipped)."""
-    events = []
+    """Every event of a log, in order (a torn last line from a killed run is skipped).
+
+    A line that is not a JSON object anywhere else is an error located at it:
+    the log was edited or is not a run's.
+    """
+    from sexpgpu.diagnostics import Location, SxError
+
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        lines = f.read().split("\n")
+    events = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == last:
+                continue  # torn by a killed run
+            raise SxError(
+                f"not a run's event log: this line is not JSON ({err.msg.lower()})",
+                Location(str(path), i + 1, err.colno),
+            ) from None
+        if not isinstance(event, dict):
+            raise SxError("not a run's event log: this line is not a JSON object", Location(str(path), i + 1, 1))
+        events.append(event)
     return events
 
 

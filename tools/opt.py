@@ -199,6 +199,8 @@ class Opt:
         except SxError as err:
             result.diagnostics = diagnostics_of(err)
             result.failure = err.render()
+            # What a dump pass wrote before the failure stays (print-values: the values of the forms before it).
+            result.output = report.getvalue() if unit.dumped else ""
             return result
         result.output = report.getvalue() + ("" if unit.dumped else unit.printable())
         return result
@@ -244,7 +246,7 @@ class Opt:
                     sys.stdout.flush()
                     print(result.failure, file=sys.stderr)
                     status = 1
-            if result.failure is None:
+            if result.failure is None or result.output:
                 outputs.append(result.output)
         self.write("// -----\n".join(outputs))
         return status

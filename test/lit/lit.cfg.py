@@ -1,4 +1,5 @@
 # lit configuration: golden tests piping sexpgpu / sexpgpu-opt into filecheck.
+import importlib.util
 import os
 import shutil
 import sys
@@ -19,3 +20,7 @@ for tool in ("sexpgpu", "sexpgpu-opt", "filecheck"):
     if shutil.which(tool, path=config.environment["PATH"]) is None:
         lit_config.fatal(f"{tool} not found next to {sys.executable}: run pip install -e '.[test]'")
 config.substitutions.append(("%python", sys.executable))
+
+# `REQUIRES: matplotlib` / `UNSUPPORTED: matplotlib` for the plot verb's tests.
+if importlib.util.find_spec("matplotlib") is not None:
+    config.available_features.add("matplotlib")
