@@ -619,9 +619,16 @@ def _render_precision(doc: dict[str, Any]) -> list[str]:
     lines = ["precision:", f"  {summary}"]
     if p["kept_f32"]:
         lines.append("  kept f32:")
-        rows = [[k["op"], ", ".join(compress_paths(k["paths"])), "in " + ", ".join(k["graphs"])] for k in p["kept_f32"]]
+        rows = [[k["op"], "in " + ", ".join(KIND_TITLES.get(g, g) for g in k["graphs"]), _show_kept_paths(k["paths"])]
+                for k in p["kept_f32"]]  # fmt: skip
         lines += _table(rows, 4)
     return lines
+
+
+def _show_kept_paths(paths: list[str]) -> str:
+    """Model paths in order, numbered blocks merged; ops outside any module (`-`, the loss) read last."""
+    inside = sorted(compress_paths(p for p in paths if p != "-"))
+    return ", ".join([*inside, *(["outside modules"] if "-" in paths else [])]) or "-"
 
 
 def render_text(doc: dict[str, Any]) -> str:
