@@ -20,13 +20,14 @@ an output that is a view, an input or a constant is copied.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from attrs import define, frozen
 from sexpgpu.backends.interpreter.dtypes import DtypePolicy
-from sexpgpu.backends.interpreter.kernels import constant_value, kernel_for
+from sexpgpu.backends.interpreter.kernels import batch_summed_matmul, constant_value, kernel_for
 from sexpgpu.dialects.core import Operation, TensorType, Value
 
 from sexpgpu.diagnostics import SxError
@@ -98,6 +99,8 @@ class CompiledGraph:
         self._outputs = outputs
         self._emits = emits
         self._register_count = register_count
+        #: The op each step runs (None for a release step), for `profile`.
+        self.step_ops: list[Operation | None] = []
 
     @property
     def output_names(self) -> list[str]:
@@ -118,6 +121,26 @@ class CompiledGraph:
         for kind, name, register in self._emits:
             getattr(result, kind)[name] = regs[register]
         return result
+
+
+    def profile(self, inputs: Mapping[str, Any],
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[Operation, float]]:
+        """Run once as `__call__` does (same kernels, buffers and fusions), timing each step by
+        `clock` (`time.process_time` counts this process's CPU time: steadier on a shared machine
+        when BLAS runs one thread): (op, seconds) in step order. A fused matmul-and-sum is timed as
+        its matmul."""
+        regs: Registers = [None] * self._register_count
+        for spec in self.inputs:
+            regs[spec.register] = _checked_input(spec, inputs)
+        for register, value in self._constants:
+            regs[register] = value
+        times = []
+        for step, op in zip(self._steps, self.step_ops):
+            started = clock()
+            step(regs)
+            if op is not None:
+                times.append((op, clock() - started))
+        return times
 
 
 def _checked_input(spec: InputSpec, inputs: Mapping[str, Any]) -> np.ndarray:
@@ -156,6 +179,13 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     policy = DtypePolicy(float_mode)
     ops = list(func.body.ops)
     plan = _MemoryPlan(ops)
+    users: dict[Value, list[Operation]] = {}
+    for op in ops:
+        for v in op.operands:
+            users.setdefault(v, []).append(op)
+    scalars = _scalar_splats(ops, users)
+    implicit = _implicit_broadcasts(ops, users, scalars)
+    summed = _batch_summed_matmuls(ops, users, policy)
     registers: dict[Value, int] = {}
 
     def register(value: Value) -> int:
@@ -164,6 +194,8 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     inputs: list[InputSpec] = []
     constants: list[tuple[int, np.ndarray]] = []
     steps: list[Step] = []
+    #: The op each step runs (None for releases), for `CompiledGraph.profile`.
+    step_ops: list[Operation | None] = []
     outputs: list[tuple[str, int, bool]] = []
     emits: list[tuple[str, str, int]] = []
     emit_registers = 0
@@ -173,7 +205,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             inputs.append(InputSpec(op.attributes["name"], op.attributes["role"], t, register(op.result),
                                     policy.storage(t.dtype), op))
         elif op.name in ("graph.const", "graph.iota"):
-            constants.append((register(op.result), constant_value(op, policy)))
+            constants.append((register(op.result), constant_value(op, policy, scalar=op in scalars)))
         elif op.name == "graph.return":
             for name, value in zip(op.attributes["names"], op.operands):
                 outputs.append((name, registers[value], plan.is_shared(value)))
@@ -182,19 +214,115 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             emit_registers += 1
             emits.append((EMIT_KINDS[op.name], op.attributes["name"], slot))
             steps.append(_emit_step(op.name, registers[op.operands[0]], slot, plan.is_shared(op.operands[0])))
+            step_ops.append(op)
+        elif op in summed:
+            # sum(matmul(a, b), axis 0) as one contraction, run here in the matmul's place (the sum
+            # is the next op, and the product's only user).
+            total = summed[op]
+            args = tuple(registers[v] for v in op.operands)
+            dst = register(total.result)
+            steps.append(_compute_step(batch_summed_matmul, args, dst, plan.buffer_for(total.result, policy)))
+            step_ops.append(op)
+        elif op in summed.values():
+            pass
+        elif op in implicit:
+            # Its readers broadcast the operand themselves: pass the operand on as it is.
+            steps.append(_alias_step(registers[op.operands[0]], register(op.result)))
+            step_ops.append(op)
         else:
             kernel = kernel_for(op, policy)
             args = tuple(registers[v] for v in op.operands)
             dst = register(op.result)
             buffer = plan.buffer_for(op.result, policy) if kernel.takes_out else None
             steps.append(_compute_step(kernel.fn, args, dst, buffer))
+            step_ops.append(op)
         released = [registers[v] for v in plan.released_after(position) if v in registers]
         if released:
             steps.append(_release_step(released))
+            step_ops.append(None)
     # Emit slots live past the value registers (negative indices count from the end).
-    return CompiledGraph(_func_name(func), inputs, constants, steps, outputs,
-                         [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
-                         len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes))
+    graph = CompiledGraph(_func_name(func), inputs, constants, steps, outputs,
+                          [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
+                          len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes))
+    graph.step_ops = step_ops
+    return graph
+
+
+#: Families whose kernels broadcast a 0-d operand against a full one (numpy binary ufuncs).
+BROADCASTING_FAMILIES = frozenset({"binary", "compare"})
+
+
+def _scalar_splats(ops: list[Operation], users: dict[Value, list[Operation]]) -> set[Operation]:
+    """Splat constants that may be 0-d arrays instead of arrays of their full shape.
+
+    A splat read only by binary and compare ops, each of which has a non-constant
+    other operand (so numpy's broadcasting gives the result its full shape),
+    never needs its full shape: the ops read one number instead of a whole array.
+    """
+    scalars = set()
+    for op in ops:
+        if op.name != "graph.const" or isinstance(op.attributes["value"], list) or op.result.type.rank == 0:
+            continue
+        readers = users.get(op.result, [])
+        if readers and all(
+            reader.family in BROADCASTING_FAMILIES
+            and len(reader.operands) == 2
+            and all(v is not op.result and v.op.name not in ("graph.const", "graph.iota")
+                    for v in reader.operands if v is not op.result)
+            and sum(v is op.result for v in reader.operands) == 1
+            for reader in readers
+        ):
+            scalars.add(op)
+    return scalars
+
+
+def _implicit_broadcasts(ops: list[Operation], users: dict[Value, list[Operation]],
+                         scalars: set[Operation]) -> set[Operation]:
+    """`graph.broadcast` ops whose readers may broadcast the operand themselves.
+
+    Each reader must be a binary or compare op whose other operand has the full
+    shape (neither such a broadcast nor a 0-d splat), so numpy's broadcasting
+    (aligned on the trailing axes, as `graph.broadcast` is) makes the same
+    result without the strided view.
+    """
+    implicit: set[Operation] = set()
+    # Values that may stand in with a smaller shape: 0-d splats and (below) implicit broadcasts.
+    partial = {op.result for op in scalars}
+    for op in ops:
+        if op.name != "graph.broadcast":
+            continue
+        readers = users.get(op.result, [])
+        if readers and all(
+            reader.family in BROADCASTING_FAMILIES
+            and len(reader.operands) == 2
+            and sum(v is op.result for v in reader.operands) == 1
+            and all(v not in partial and v.op.name != "graph.broadcast" and v.op.name not in ("graph.const", "graph.iota")
+                    for v in reader.operands if v is not op.result)
+            for reader in readers
+        ):
+            implicit.add(op)
+            partial.add(op.result)
+    return implicit
+
+
+def _batch_summed_matmuls(ops: list[Operation], users: dict[Value, list[Operation]],
+                          policy: DtypePolicy) -> dict[Operation, Operation]:
+    """Each [B M K] @ [B K N] matmul whose only user is the next op, a sum over axis 0 (the weight
+    gradient of a linear layer over a batch), mapped to that sum."""
+    fused = {}
+    for op, following in zip(ops, ops[1:]):
+        if op.name != "graph.matmul" or following.name != "graph.sum":
+            continue
+        a, b = (v.type for v in op.operands)
+        if (
+            users.get(op.result) == [following]
+            and list(following.attributes["axes"]) == [0]
+            and not following.attributes["keep"]
+            and a.rank == 3 and b.rank == 3 and a.shape[0] == b.shape[0]
+            and not policy.rounds(a.dtype) and not policy.rounds(op.result.type.dtype)
+        ):
+            fused[op] = following
+    return fused
 
 
 def _func_name(func: Operation) -> str:
@@ -236,6 +364,13 @@ def _compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: 
         regs[dst] = fn(*[regs[i] for i in args])
 
     return variadic
+
+
+def _alias_step(src: int, dst: int) -> Step:
+    def alias(regs: Registers) -> None:
+        regs[dst] = regs[src]
+
+    return alias
 
 
 def _emit_step(name: str, src: int, slot: int, shared: bool) -> Step:

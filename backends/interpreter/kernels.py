@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 from sexpgpu.backends.interpreter.dtypes import DtypePolicy
-from sexpgpu.backends.interpreter.erf import erf
+from sexpgpu.backends.interpreter.erf import erf, erf_f32
 from sexpgpu.dialects.core import Operation
 
 
@@ -85,8 +85,16 @@ def _rsqrt(x: Any, out: Any = None) -> Any:
     return np.divide(1, root, out=root if out is not None else None)
 
 
-def _erf(x: Any) -> Any:
-    return erf(x).astype(np.asarray(x).dtype)
+def _erf(x: Any, out: Any = None) -> Any:
+    """float64 (the f64 mode of gradient checks): the accurate Chebyshev path; float32: the fast one."""
+    x = np.asarray(x)
+    if x.dtype == np.float64:
+        result = erf(x)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    return erf_f32(x, out=out)
 
 
 _UNARY: dict[str, tuple[Callable[..., Any], bool]] = {
@@ -96,7 +104,7 @@ _UNARY: dict[str, tuple[Callable[..., Any], bool]] = {
     "graph.sqrt": (np.sqrt, True),
     "graph.rsqrt": (_rsqrt, True),
     "graph.tanh": (np.tanh, True),
-    "graph.erf": (_erf, False),
+    "graph.erf": (_erf, True),
     "graph.abs": (np.abs, True),
     "graph.recip": (np.reciprocal, True),
     "graph.sin": (np.sin, True),
@@ -203,12 +211,21 @@ def _pad(op: Operation, policy: DtypePolicy) -> Kernel:
     before = op.attributes["before"]
     index = _axis_index(op.attributes["axis"], slice(before, before + op.operands[0].type.shape[op.attributes["axis"]]))
 
-    def pad(x: Any) -> Any:
-        out = np.zeros(result.shape, storage)
+    axis = op.attributes["axis"]
+    # The zero margins on either side of the operand (a reused buffer holds stale values there).
+    margins = [_axis_index(axis, slice(0, before)),
+               _axis_index(axis, slice(before + op.operands[0].type.shape[axis], None))]
+
+    def pad(x: Any, out: Any = None) -> Any:
+        if out is None:
+            out = np.zeros(result.shape, storage)
+        else:
+            for margin in margins:
+                out[margin] = 0
         out[index] = x
         return out
 
-    return Kernel(pad)
+    return Kernel(pad, takes_out=True)
 
 
 @_builds("graph.concat")
@@ -232,9 +249,36 @@ def _expand_dims(op: Operation, policy: DtypePolicy) -> Kernel:
 # -- contract, index ----------------------------------------------------------------------------
 
 
+def _matmul_fn(a: Any, b: Any, out: Any = None) -> Any:
+    """np.matmul, with a [… M K] @ [K N] product whose left side is contiguous run as one
+    [(…·M) K] @ [K N] BLAS call (numpy would loop over the leading dims, one small gemm each)."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and (out is None or out.flags.c_contiguous):
+        flat = np.matmul(a.reshape(-1, a.shape[-1]), b,
+                         out=None if out is None else out.reshape(-1, b.shape[-1]))
+        return flat.reshape(a.shape[:-1] + b.shape[-1:]) if out is None else out
+    return np.matmul(a, b, out=out)
+
+
 @_builds("graph.matmul")
 def _matmul(op: Operation, policy: DtypePolicy) -> Kernel:
-    return _arith(op, policy, np.matmul, True, op.operands[0].type.dtype)
+    return _arith(op, policy, _matmul_fn, True, op.operands[0].type.dtype)
+
+
+def batch_summed_matmul(a: Any, b: Any, out: Any = None) -> Any:
+    """Σ_i a[i] @ b[i] for a [B M K] and b [B K N], as one [M B·K] @ [B·K N] product.
+
+    This is `sum(matmul(a, b), axis 0)`, the weight gradient of a linear layer
+    applied over a batch, without the [B M N] intermediate. `a` is usually the
+    transpose of a contiguous [B K M] array, and then both reshapes are views.
+    """
+    a = np.asarray(a)
+    b = np.asarray(b)
+    batch, m, k = a.shape
+    left = a.transpose(1, 0, 2).reshape(m, batch * k)
+    right = b.reshape(batch * k, b.shape[-1])
+    return np.matmul(left, right, out=out)
 
 
 @_builds("graph.take")
@@ -263,9 +307,26 @@ def _accumulating(op: Operation, policy: DtypePolicy, place: Callable[[Any, Any,
     return Kernel(scatter)
 
 
+def _add_rows_at(acc: Any, idx: Any, upd: Any) -> None:
+    """acc[idx[j]] += upd[j] over axis 0, in the order np.add.at adds them (so the same bits):
+    the updates grouped by index with a stable sort, each group summed by np.add.reduceat."""
+    n = acc.shape[0]
+    flat = np.asarray(idx).reshape(-1)
+    flat = np.where(flat < 0, flat + n, flat)  # one row, one group, whichever way it was named
+    rows = np.asarray(upd).reshape((flat.size,) + acc.shape[1:])
+    if flat.size == 0:
+        return
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    acc[ordered[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+
+
 @_builds("graph.scatter_add")
 def _scatter_add(op: Operation, policy: DtypePolicy) -> Kernel:
     axis = op.attributes["axis"]
+    if axis == 0:
+        return _accumulating(op, policy, _add_rows_at)
     return _accumulating(op, policy, lambda acc, idx, upd: np.add.at(acc, _axis_index(axis, idx), upd))
 
 
@@ -305,8 +366,11 @@ def _cast(op: Operation, policy: DtypePolicy) -> Kernel:
 # -- values fixed when the graph is compiled ----------------------------------------------------
 
 
-def constant_value(op: Operation, policy: DtypePolicy) -> np.ndarray:
-    """The array a `graph.const` or `graph.iota` stands for (computed once, never written)."""
+def constant_value(op: Operation, policy: DtypePolicy, scalar: bool = False) -> np.ndarray:
+    """The array a `graph.const` or `graph.iota` stands for (computed once, never written).
+
+    `scalar`: a splat `graph.const` as a 0-d array, for readers that broadcast it.
+    """
     result = op.results[0].type
     storage = policy.storage(result.dtype)
     if op.name == "graph.iota":
@@ -316,7 +380,8 @@ def constant_value(op: Operation, policy: DtypePolicy) -> np.ndarray:
         value = np.broadcast_to(line, result.shape)
     else:
         raw = op.attributes["value"]
-        value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(result.shape, raw, storage)
+        shape = () if scalar else result.shape
+        value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(shape, raw, storage)
     value = np.array(value, order="C")  # a contiguous copy (ascontiguousarray would make scalars 1-d)
     value.flags.writeable = False
     return value
