@@ -10,7 +10,9 @@ per-op time profile of one interpreter train step (which ops dominate, by op
 name and by the model code that made them, with the prelude line it went
 through) and the peak RSS of the sexpgpu steps (measured before torch loads). Each step's time
 is the median over the timed steps (after one warm-up step), so one
-scheduling hiccup on a shared machine does not move the figure.
+scheduling hiccup on a shared machine does not move the figure; the process
+CPU time of each step is shown too (with one thread it barely depends on
+what else the machine runs, so the CPU-time ratio is the steadier one there).
 """
 
 from __future__ import annotations
@@ -34,61 +36,44 @@ def set_threads(threads: int) -> None:
         os.environ[name] = str(threads)
 
 
-def sexpgpu_step_times(trainer, steps: int) -> list[float]:
-    times = []
+def timed_steps(step_fn, steps: int) -> tuple[list[float], list[float]]:
+    """Wall and process CPU seconds of each step after one warm-up step."""
+    walls, cpus = [], []
     for step in range(1, steps + 2):
-        started = time.perf_counter()
-        trainer.train_step(step)
-        times.append(time.perf_counter() - started)
-    return times[1:]
+        started, cpu = time.perf_counter(), time.process_time()
+        step_fn(step)
+        walls.append(time.perf_counter() - started)
+        cpus.append(time.process_time() - cpu)
+    return walls[1:], cpus[1:]
 
 
-def op_profile(trainer, repeats: int = 3) -> tuple[dict[str, float], dict[str, float], float]:
-    """Seconds per op name and per source line for one call of the train graph, op by op.
+def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, float], float]:
+    """CPU seconds per op name and per source line for one call of the train graph, op by op.
 
-    Runs the graph's ops one at a time with the interpreter's own kernels
-    (without its buffer reuse), timing each: the shares, not the total, are
-    what this is for.
+    Runs the compiled train graph step by step (`CompiledGraph.profile`: the
+    same kernels, reused buffers and fused contractions as a real call), timing
+    each step in process CPU time, the median over `repeats` calls per op; a
+    fused matmul-and-sum counts as a matmul, an implicit broadcast as almost
+    nothing.
     """
-    import numpy as np
-    from sexpgpu.backends.interpreter.dtypes import DtypePolicy
-    from sexpgpu.backends.interpreter.kernels import constant_value, kernel_for
-
-    func = trainer.exp.graph("train")
-    policy = DtypePolicy("native")
-    batch = trainer.train_loader.batch_at(0)
-    inputs = trainer._inputs(trainer.train, batch)
+    graph = trainer.train
+    inputs = trainer._inputs(graph, trainer.train_loader.batch_at(0))
+    runs = [graph.profile(inputs, time.process_time) for _ in range(repeats)]
     by_op: dict[str, float] = defaultdict(float)
     by_line: dict[str, float] = defaultdict(float)
-    kernels = {}
-    for op in func.body.ops:
-        if op.name not in ("graph.input", "graph.const", "graph.iota", "graph.return", "graph.metric",
-                           "graph.counter", "graph.observe"):
-            kernels[op] = kernel_for(op, policy)
-    for _ in range(repeats):
-        values = {}
-        for op in func.body.ops:
-            if op.name == "graph.input":
-                spec_dtype = policy.storage(op.result.type.dtype)
-                values[op.result] = np.asarray(inputs[op.attributes["name"]]).astype(spec_dtype, copy=False)
-            elif op.name in ("graph.const", "graph.iota"):
-                values[op.result] = constant_value(op, policy)
-            elif op in kernels:
-                args = [values[v] for v in op.operands]
-                started = time.perf_counter()
-                values[op.result] = kernels[op].fn(*args)
-                elapsed = time.perf_counter() - started
-                by_op[op.name.removeprefix("graph.")] += elapsed / repeats
-                where = "unknown"
-                if op.loc is not None:
-                    via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""
-                    where = op.loc.short() + via
-                by_line[where] += elapsed / repeats
+    for index, (op, _) in enumerate(runs[0]):
+        elapsed = statistics.median(run[index][1] for run in runs)
+        by_op[op.name.removeprefix("graph.")] += elapsed
+        where = "unknown"
+        if op.loc is not None:
+            via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""
+            where = op.loc.short() + via
+        by_line[where] += elapsed
     total = sum(by_op.values())
     return dict(by_op), dict(by_line), total
 
 
-def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> list[float]:
+def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> tuple[list[float], list[float]]:
     import torch
 
     sys.path.insert(0, str(ROOT / "test" / "e2e"))
@@ -96,13 +81,7 @@ def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> l
 
     torch.set_num_threads(threads)
     model = TorchGPT.from_experiment(exp, trainer_params)
-    times = []
-    for step in range(1, steps + 2):
-        batch = loader.next_batch()["tokens"]
-        started = time.perf_counter()
-        model.train_step(batch, step)
-        times.append(time.perf_counter() - started)
-    return times[1:]
+    return timed_steps(lambda step: model.train_step(loader.next_batch()["tokens"], step), steps)
 
 
 def main() -> int:
@@ -120,24 +99,28 @@ def main() -> int:
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None)
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()
-    ours = statistics.median(sexpgpu_step_times(trainer, args.steps))
+    walls, cpus = timed_steps(trainer.train_step, args.steps)
+    ours, ours_cpu = statistics.median(walls), statistics.median(cpus)
     # The peak so far is the training driver's alone: torch and the op-by-op profile come later.
     training_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"model: examples/tiny-gpt.sx {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
           f"{tokens} tokens per step, {args.threads} threads)")
-    print(f"sexpgpu interpreter  {tokens / ours:12,.0f} tokens/s  ({ours * 1000:.1f} ms per step)")
+    print(f"sexpgpu interpreter  {tokens / ours:12,.0f} tokens/s  ({ours * 1000:.1f} ms per step, "
+          f"{ours_cpu * 1000:.1f} ms CPU)")
     try:
         import torch  # noqa: F401
     except ImportError:
         print("pytorch eager        (torch is not installed: pip install torch)")
     else:
-        theirs = statistics.median(torch_step_times(exp, initial, Loader.from_op(exp.loader_ops[exp.train_loader_name]),
-                                                    args.steps, args.threads))
-        print(f"pytorch eager        {tokens / theirs:12,.0f} tokens/s  ({theirs * 1000:.1f} ms per step)")
-        print(f"ratio sexpgpu/torch  {theirs / ours:.3f}")
+        walls, cpus = torch_step_times(exp, initial, Loader.from_op(exp.loader_ops[exp.train_loader_name]),
+                                       args.steps, args.threads)
+        theirs, theirs_cpu = statistics.median(walls), statistics.median(cpus)
+        print(f"pytorch eager        {tokens / theirs:12,.0f} tokens/s  ({theirs * 1000:.1f} ms per step, "
+              f"{theirs_cpu * 1000:.1f} ms CPU)")
+        print(f"ratio sexpgpu/torch  {theirs / ours:.3f}  (by CPU time {theirs_cpu / ours_cpu:.3f})")
 
     by_op, by_line, total = op_profile(trainer)
-    print(f"\ninterpreter profile of one train graph call, op by op ({total * 1000:.1f} ms):")
+    print(f"\ninterpreter profile of one train graph call, op by op ({total * 1000:.1f} ms CPU):")
     for name, seconds in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name:16} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
     print("by the source line that made the ops:")
