@@ -20,9 +20,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from attrs import define, field
 
 from sexpgpu.diagnostics import Location, SxError
@@ -40,6 +39,9 @@ from .evaluator import (
 )
 from .printing import show
 from .tracer import Tensor, Trace, Traceable, describe, dtype_name, module_path, require_trace
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @define(frozen=True)
@@ -83,6 +85,8 @@ def seed_key(seed: int, path: str) -> int:
 
 def initial_value(init: Init, shape: tuple[int, ...], seed: int, path: str) -> np.ndarray:
     """The f32 initial value of the parameter at `path` for the run seed `seed`."""
+    import numpy as np  # here, not at the top: `sexpgpu check` needs no numpy
+
     if init.kind == "zeros":
         return np.zeros(shape, np.float32)
     if init.kind == "ones":
@@ -177,6 +181,9 @@ class Module:
         self.path = path
         self.constructor = constructor
         self.forward = forward
+        if isinstance(forward, Closure) and forward.name is None:
+            # A wrong call of the module names it: "'model.blocks.0' expects 1 argument, got 2".
+            forward.name = path
         #: What .sx code calls: a builtin that runs the forward function under the module's path.
         self.callable = Builtin(path, self.call, wants_loc=True)
 

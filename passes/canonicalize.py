@@ -12,26 +12,42 @@ integer and boolean tensors, or for floats with the `fast-math` option.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
+import struct
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 from attrs import define
 from sexpgpu.dialects.core import FLOAT_DTYPES, Operation, Value
 from sexpgpu.passes.dce import graph_funcs
 from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
 from sexpgpu.passes.rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
-NUMPY_DTYPES: dict[str, Any] = {
-    "f32": np.float32,
-    "f16": np.float16,
-    "bf16": ml_dtypes.bfloat16,
-    "i32": np.int32,
-    "i64": np.int64,
-    "i1": np.bool_,
-}
+# numpy (and ml_dtypes) are imported on the first fold that needs them: most folds take the exact
+# pure-Python path below, and `sexpgpu check` should not pay numpy's import for a handful of them.
+
+
+@functools.cache
+def _numpy_dtypes() -> dict[str, Any]:
+    import ml_dtypes
+    import numpy as np
+
+    return {
+        "f32": np.float32,
+        "f16": np.float16,
+        "bf16": ml_dtypes.bfloat16,
+        "i32": np.int32,
+        "i64": np.int64,
+        "i1": np.bool_,
+    }
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NUMPY_DTYPES":
+        return _numpy_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def splat_value(value: Value) -> Any:
@@ -213,6 +229,8 @@ class SelectOfKnown(RewritePattern):
 
 
 def _rsqrt(x: Any) -> Any:
+    import numpy as np
+
     return 1 / np.sqrt(x)
 
 
@@ -220,35 +238,99 @@ def _erf(x: Any) -> Any:
     return type(x)(math.erf(float(x)))
 
 
-#: Unary ops on a scalar of the operand's numpy type.
-_UNARY: dict[str, Callable[[Any], Any]] = {
-    "graph.neg": np.negative,
-    "graph.exp": np.exp,
-    "graph.log": np.log,
-    "graph.sqrt": np.sqrt,
-    "graph.rsqrt": _rsqrt,
-    "graph.tanh": np.tanh,
-    "graph.erf": _erf,
-    "graph.abs": np.abs,
-    "graph.recip": np.reciprocal,
-    "graph.sin": np.sin,
-    "graph.cos": np.cos,
+@functools.cache
+def _numpy_ops() -> tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[Any, Any], Any]]]:
+    """The unary and binary ops on scalars of the operand's numpy type."""
+    import numpy as np
+
+    unary = {
+        "graph.neg": np.negative,
+        "graph.exp": np.exp,
+        "graph.log": np.log,
+        "graph.sqrt": np.sqrt,
+        "graph.rsqrt": _rsqrt,
+        "graph.tanh": np.tanh,
+        "graph.erf": _erf,
+        "graph.abs": np.abs,
+        "graph.recip": np.reciprocal,
+        "graph.sin": np.sin,
+        "graph.cos": np.cos,
+    }
+    binary = {
+        "graph.add": np.add,
+        "graph.sub": np.subtract,
+        "graph.mul": np.multiply,
+        "graph.div": np.divide,
+        "graph.pow": np.power,
+        "graph.maximum": np.maximum,
+        "graph.minimum": np.minimum,
+        "graph.eq": np.equal,
+        "graph.ne": np.not_equal,
+        "graph.lt": np.less,
+        "graph.le": np.less_equal,
+        "graph.gt": np.greater,
+        "graph.ge": np.greater_equal,
+    }
+    return unary, binary
+
+
+_UNARY_OPS = frozenset(
+    {"graph.neg", "graph.exp", "graph.log", "graph.sqrt", "graph.rsqrt", "graph.tanh", "graph.erf", "graph.abs",
+     "graph.recip", "graph.sin", "graph.cos"}
+)
+_BINARY_OPS = frozenset(
+    {"graph.add", "graph.sub", "graph.mul", "graph.div", "graph.pow", "graph.maximum", "graph.minimum", "graph.eq",
+     "graph.ne", "graph.lt", "graph.le", "graph.gt", "graph.ge"}
+)
+
+#: The ops IEEE 754 rounds correctly (so computing in float64 and rounding once to float32 gives
+#: numpy's float32 result exactly: 53 >= 2·24 + 2 bits), on finite values, in pure Python.
+_EXACT_UNARY: dict[str, Callable[[float], float]] = {"graph.neg": operator.neg, "graph.abs": abs, "graph.sqrt": math.sqrt}
+_EXACT_ARITH: dict[str, Callable[[float, float], float]] = {
+    "graph.add": operator.add,
+    "graph.sub": operator.sub,
+    "graph.mul": operator.mul,
+    "graph.div": operator.truediv,
 }
-_BINARY: dict[str, Callable[[Any, Any], Any]] = {
-    "graph.add": np.add,
-    "graph.sub": np.subtract,
-    "graph.mul": np.multiply,
-    "graph.div": np.divide,
-    "graph.pow": np.power,
-    "graph.maximum": np.maximum,
-    "graph.minimum": np.minimum,
-    "graph.eq": np.equal,
-    "graph.ne": np.not_equal,
-    "graph.lt": np.less,
-    "graph.le": np.less_equal,
-    "graph.gt": np.greater,
-    "graph.ge": np.greater_equal,
+_EXACT_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "graph.eq": operator.eq,
+    "graph.ne": operator.ne,
+    "graph.lt": operator.lt,
+    "graph.le": operator.le,
+    "graph.gt": operator.gt,
+    "graph.ge": operator.ge,
 }
+_F32 = struct.Struct("<f")
+
+
+def _exact_f32_fold(name: str, scalars: list[Any]) -> Any:
+    """numpy's float32 result of `name` on float32 scalars, in pure Python; None where not sure.
+
+    Only finite operands and results, and only the correctly rounded ops: anything else
+    (inf, nan, overflow, a zero divisor, exp, ...) is left to numpy.
+    """
+    try:
+        args = [_F32.unpack(_F32.pack(float(s)))[0] for s in scalars]
+        if not all(math.isfinite(a) for a in args):
+            return None
+        if name in _EXACT_COMPARE:
+            return _EXACT_COMPARE[name](args[0], args[1])
+        if name in ("graph.maximum", "graph.minimum"):
+            if args[0] == args[1]:
+                return None  # signed zeros: leave numpy's choice to numpy
+            return max(args) if name == "graph.maximum" else min(args)
+        if name in _EXACT_UNARY:
+            result = _EXACT_UNARY[name](args[0])
+        elif name in _EXACT_ARITH:
+            result = _EXACT_ARITH[name](args[0], args[1])
+        else:
+            return None
+        rounded = _F32.unpack(_F32.pack(result))[0]
+    except (OverflowError, ValueError, ZeroDivisionError, TypeError):
+        return None
+    return rounded if math.isfinite(rounded) else None
+
+
 #: Integer division and power round differently across backends; those fold for floats only.
 _FLOAT_ONLY = frozenset({"graph.div", "graph.pow"})
 #: Ops whose result is a splat of the operand's scalar when the operand is a splat.
@@ -263,7 +345,7 @@ class FoldSplatConstants(RewritePattern):
     splat constants becomes a splat constant, computed in the operand dtype as the
     backends compute it."""
 
-    op_names = (*_UNARY, *_BINARY, "graph.cast", *_SPLAT_PRESERVING)
+    op_names = (*sorted(_UNARY_OPS), *sorted(_BINARY_OPS), "graph.cast", *_SPLAT_PRESERVING)
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         scalars = [splat_value(v) for v in op.operands]
@@ -282,21 +364,29 @@ class FoldSplatConstants(RewritePattern):
         out_dtype = op.result.type.dtype
         if op.name in _SPLAT_PRESERVING:
             return scalars[0]
-        args = [NUMPY_DTYPES[in_dtype](s) for s in scalars]
+        if in_dtype == "f32" and out_dtype in ("f32", "i1") and op.name != "graph.cast":
+            exact = _exact_f32_fold(op.name, scalars)
+            if exact is not None:
+                return exact
+        import numpy as np
+
+        numpy_dtypes = _numpy_dtypes()
+        unary, binary = _numpy_ops()
+        args = [numpy_dtypes[in_dtype](s) for s in scalars]
         with np.errstate(all="ignore"):
             if op.name == "graph.cast":
                 if out_dtype not in FLOAT_DTYPES and out_dtype != "i1" and not np.isfinite(args[0]):
                     return None
-                result = np.array(args[0]).astype(NUMPY_DTYPES[out_dtype])[()]
-            elif op.name in _UNARY:
+                result = np.array(args[0]).astype(numpy_dtypes[out_dtype])[()]
+            elif op.name in unary:
                 if in_dtype == "i1":
                     return None
-                result = _UNARY[op.name](args[0])
+                result = unary[op.name](args[0])
             else:
                 if in_dtype == "i1" or (op.name in _FLOAT_ONLY and in_dtype not in FLOAT_DTYPES):
                     return None
-                result = _BINARY[op.name](args[0], args[1])
-        return _python_scalar(NUMPY_DTYPES[out_dtype](result), out_dtype)
+                result = binary[op.name](args[0], args[1])
+        return _python_scalar(numpy_dtypes[out_dtype](result), out_dtype)
 
 
 def canonical_patterns(fast_math: bool = False) -> list[RewritePattern]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
 from attrs import define
 from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation
 from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
@@ -83,7 +82,7 @@ def fold_value(op: Operation, operands: list[float]) -> float | None:
             result = operands[0]
         elif op.name == "graph.sum":
             x = op.operands[0].type
-            result = operands[0] * float(np.prod([x.shape[a] for a in op.attributes["axes"]]))
+            result = operands[0] * float(math.prod(x.shape[a] for a in op.attributes["axes"]))
         elif op.name in ("graph.max", "graph.min"):
             result = operands[0]
         else:
