@@ -330,7 +330,11 @@ class Experiment:
     def _prepared(self, run: RunDef, batch: dict[Keyword, Tensor]) -> Any:
         if run.prepare is None:
             return batch
-        return invoke(run.prepare, [batch], run.option_locs.get("prepare") or run.loc)
+        loc = run.option_locs.get("prepare") or run.loc
+        prepared = invoke(run.prepare, [batch], loc)
+        if not isinstance(prepared, dict):
+            raise SxError(f"prepare must return a map of fields for the objective, got {describe(prepared)}", loc)
+        return prepared
 
     def _trace_train(self, run: RunDef) -> Trace:
         trace = Trace("train", "train", run.loc)
@@ -602,7 +606,11 @@ def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) 
         elif key in ("eps", "weight_decay", "momentum"):
             hyper[key] = _float(value, f"{what} {shown}", loc)
         else:
-            raise SxError(f"{what}: {kind} has no option {shown}", loc)
+            hint = nearest(key, ["lr", *_HYPER_KEYS.get(kind, ("betas", "eps", "weight_decay", "momentum", "nesterov"))])
+            raise SxError(
+                f"{what}: {kind} has no option {shown}" + (f"; did you mean :{hint.replace('_', '-')}?" if hint else ""),
+                loc,
+            )
     return hyper
 
 
@@ -622,6 +630,8 @@ def _optimizer(kind: str):
                 if key not in allowed:
                     raise SxError(f"group \"{g.glob}\": {kind} has no option :{key.replace('_', '-')}", g.loc)
         clip_value = None if clip is None else _float(clip, f"{kind} :clip", loc)
+        if clip_value is not None and not clip_value > 0:
+            raise SxError(f"{kind} :clip is the largest global gradient norm, a number > 0; got {show(clip)}", loc)
         return OptimizerSpec(kind, hyper, clip_value, group_list, loc)
 
     return make
