@@ -134,6 +134,11 @@ def parse_params(form: Any, loc: Location | None, what: str) -> ParamSpec:
     for i, item in enumerate(form):
         item_loc = element_loc(form, i)
         if isinstance(item, Symbol) and item.name in ("&rest", "&key"):
+            if mode == "&rest" and rest is None:
+                raise SxError(f"{what}: &rest takes one name", element_loc(form, i - 1))
+            if item.name == mode or (item.name == "&rest" and mode == "&key"):
+                order = "appears twice" if item.name == mode else "comes before &key"
+                raise SxError(f"{what}: {item.name} {order}", item_loc)
             mode = item.name
             continue
         if mode == "&key" and isinstance(item, SxList) and len(item) == 2 and isinstance(item[0], Symbol):
@@ -151,6 +156,8 @@ def parse_params(form: Any, loc: Location | None, what: str) -> ParamSpec:
         else:
             keys.append(item.name)
             defaults.append(_MISSING)
+    if mode == "&rest" and rest is None:
+        raise SxError(f"{what}: &rest takes one name", element_loc(form, len(form) - 1))
     spec = ParamSpec(required, rest, keys, defaults)
     seen = set()
     for name in spec.names:
@@ -828,6 +835,9 @@ class Evaluator:
             macro = self.macro_of(form, scope)
             if macro is not None:
                 return self.analyze(self.expand_1(macro, form, loc), scope, loc)
+            if (name == UNQUOTE or name == UNQUOTE_SPLICING) and name not in self.globals:
+                shown = "," if name == UNQUOTE else ",@"
+                raise SxError(f"'{shown}' ({name}) is only allowed inside a quasiquote (`)", loc)
         fnode = self.analyze(head, scope, element_loc(form, 0))
         args = [self.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
         if head.__class__ is Symbol and head.name in OPERAND_LOCATED and scope.lookup(head.name) is None:
@@ -1177,6 +1187,9 @@ def _bindings(form: SxList) -> list[tuple[Symbol, Any, Location | None]]:
             f"{form[0].name}: each binding is (name value), got {show(b)}",
             bloc,
         )
+        if form[0].name == "let" and any(b[0] == seen for seen, _, _ in out):
+            # let binds in parallel: a second binding of a name could only be a mistake.
+            raise SxError(f"let: '{b[0].name}' is bound twice", element_loc(b, 0))
         out.append((b[0], b[1], element_loc(b, 1)))
     return out
 
