@@ -182,7 +182,7 @@ class _GraphEncoder:
         self.comma, self.colon = writer.separators
         #: The text of an op line up to its operands, by op name.
         self.heads: dict[str, str] = {}
-        #: A result's text after its id, by `id` of its type.
+        #: A lone result's text after its id, up to the attributes, by `id` of its type.
         self.result_types: dict[int, str] = {}
 
     def type_of(self, t: TensorType) -> str:
@@ -228,6 +228,7 @@ class _GraphEncoder:
         tail_sep = f"]{c}\"attributes\"{k}"
         loc_sep = f"{c}\"loc\"{k}"
         result_head = f'{{"id"{k}'
+        one_result = mid + result_head
         for op in ops:
             name = op.name
             head = heads.get(name)
@@ -242,19 +243,20 @@ class _GraphEncoder:
                 used = c.join([ids[id(v)] for v in operands])
             results = op.results
             if len(results) == 1:
+                # The common case in one piece: `], "results": [{"id": N, "type": T}], "attributes": `.
                 r = results[0]
                 n = ids[id(r)] = str(len(ids))
                 t = r.type
-                text = types.get(id(t))
-                if text is None:
-                    text = types[id(t)] = f"{c}\"type\"{k}{self.type_of(t)}}}"
-                made = f"{result_head}{n}{text}"
+                tail = types.get(id(t))
+                if tail is None:
+                    tail = types[id(t)] = f"{c}\"type\"{k}{self.type_of(t)}}}{tail_sep}"
+                made = f"{one_result}{n}{tail}"
             else:
                 made_list = []
                 for r in results:
                     n = ids[id(r)] = str(len(ids))
                     made_list.append(f"{result_head}{n}{c}\"type\"{k}{self.type_of(r.type)}}}")
-                made = c.join(made_list)
+                made = f"{mid}{c.join(made_list)}{tail_sep}"
             loc = op.loc
             loc_text = locs.get(id(loc))
             if loc_text is None:
@@ -267,7 +269,7 @@ class _GraphEncoder:
                     attrs_text = "".join(fast(attrs, 0))
                 except ValueError:  # a non-finite float
                     attrs_text = encode(attrs)
-            yield f"{head}{used}{mid}{made}{tail_sep}{attrs_text}{loc_sep}{loc_text}}}"
+            yield f"{head}{used}{made}{attrs_text}{loc_sep}{loc_text}}}"
 
 
 def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
