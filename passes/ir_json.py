@@ -116,6 +116,8 @@ class _Writer:
             None, _unknown_type, json.encoder.encode_basestring, None, colon, comma, False, False, False
         )
         self._safe = json.JSONEncoder(separators=self.separators, ensure_ascii=False)
+        #: Texts the graph encoders share, by cache name (see `_GraphEncoder`).
+        self.caches: dict[str, dict[Any, str]] = {}
 
     @property
     def separators(self) -> tuple[str, str]:
@@ -175,15 +177,17 @@ class _GraphEncoder:
         self.ids: dict[int, str] = {}
         self.types = types
         self.locs = locs
-        #: A file name as JSON, by the name a location holds.
-        self.files: dict[str, str] = {}
-        #: Type and location texts by value, behind the caches by `id` (objects with equal values abound).
-        self.by_value: dict[tuple[Any, ...], str] = {}
         self.comma, self.colon = writer.separators
+        # The caches below hold text that does not depend on the graph: the writer keeps them for all graphs.
+        caches = writer.caches
+        #: A file name as JSON, by the name a location holds.
+        self.files: dict[str, str] = caches.setdefault("files", {})
+        #: Type and location texts by value, behind the caches by `id` (objects with equal values abound).
+        self.by_value: dict[tuple[Any, ...], str] = caches.setdefault("by_value", {})
         #: The text of an op line up to its operands, by op name.
-        self.heads: dict[str, str] = {}
+        self.heads: dict[str, str] = caches.setdefault("heads", {})
         #: A lone result's text after its id, up to the attributes, by `id` of its type.
-        self.result_types: dict[int, str] = {}
+        self.result_types: dict[int, str] = caches.setdefault("result_types", {})
 
     def type_of(self, t: TensorType) -> str:
         text = self.types.get(id(t))
