@@ -534,13 +534,14 @@ def _largest_rows(tensors: list[dict[str, Any]]) -> list[list[str]]:
 
 def _render_graphs(doc: dict[str, Any]) -> list[str]:
     """Each graph with its ops, emits and largest tensors. The variants of the train graph say `as train`
-    where their largest tensors are train's; an optimizer group's update graphs show their one largest
-    tensor (the parameter's size) and no emits line when they emit nothing."""
+    where their largest tensors are train's; an optimizer group's update graphs and the clip graphs show
+    their one largest tensor (a parameter's size) and no emits line when they emit nothing."""
     lines = ["graphs:"]
     train = next((g for g in doc["graphs"] if g["kind"] == "train"), None)
     for g in doc["graphs"]:
-        update = g["kind"] == "update"
-        count = f"{plural(len(g['symbols']), 'graph')}, " if update else ""
+        # Update and clip graphs read and write parameters and states: their largest tensor is a parameter's size.
+        update = g["kind"] in ("update", "clip")
+        count = f"{plural(len(g['symbols']), 'graph')}, " if g["kind"] == "update" else ""
         lines.append(
             f"  {g['name']}  {count}{g['nodes']} nodes, {plural(g['casts'], 'cast')} added by the "
             f"{doc['step']['precision']} policy"
