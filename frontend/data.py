@@ -205,5 +205,6 @@ TENSOR_OVERLOADED = (
     "+ - * / pow min max abs sqrt exp log cos sin tanh floor ceil round = != < <= > >= not".split()
 )
 
-#: Names that evaluate to themselves (as a `Symbol` without location): dtypes and `none`.
-SELF_EVALUATING_NAMES = ("f32", "bf16", "f16", "i32", "i64", "bool", "none")
+#: Names that evaluate to themselves (as a `Symbol` without location): dtypes, `none`, and the
+#: storage dtypes of token files (`(token-file "x.u32" :dtype u32)`).
+SELF_EVALUATING_NAMES = ("f32", "bf16", "f16", "i32", "i64", "bool", "none", "u16", "u32")
