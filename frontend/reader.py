@@ -47,6 +47,22 @@ def _lark() -> Lark:
     return Lark(GRAMMAR_PATH.read_text(), parser="lalr", lexer="basic", maybe_placeholders=False)
 
 
+def _skip_pattern() -> str:
+    """What the grammar ignores, as a regex: a run of whitespace, then comments each followed by one.
+
+    The grammar's WHITESPACE is one character; a run of it is taken as `\\s*` (several times
+    faster than repeating the alternation once per character), and the comments come only
+    after it, so no repetition nests in another (which would backtrack exponentially before
+    a character nothing matches). Comments cannot end early, so the runs are the same.
+    """
+    lark = _lark()
+    ignored = [t for t in lark.terminals if t.name in lark.ignore_tokens]
+    spaces = [t for t in ignored if t.name == "WHITESPACE"]
+    assert len(spaces) == 1 and spaces[0].pattern.to_regexp() == r"\s", "WHITESPACE is one \\s"
+    comments = "|".join(t.pattern.to_regexp() for t in ignored if t.name != "WHITESPACE")
+    return rf"\s*(?:(?:{comments})\s*)*"
+
+
 @functools.cache
 def _scanner() -> re.Pattern[str]:
     """The grammar's terminals as one regex that skips what the grammar ignores, then matches a token.
@@ -55,19 +71,16 @@ def _scanner() -> re.Pattern[str]:
     pattern terminals in the grammar's priority order (FLOAT before INT before SYMBOL).
     """
     lark = _lark()
-    ignored = [t for t in lark.terminals if t.name in lark.ignore_tokens]
     tokens = [t for t in lark.terminals if t.name not in lark.ignore_tokens]
     tokens.sort(key=lambda t: (t.pattern.type != "str", -t.priority, -len(t.pattern.value)))
-    skip = "|".join(t.pattern.to_regexp() for t in ignored)
     alternation = "|".join(f"(?P<{t.name}>{t.pattern.to_regexp()})" for t in tokens)
-    return re.compile(f"(?:{skip})*(?:{alternation})")
+    return re.compile(f"{_skip_pattern()}(?:{alternation})")
 
 
 @functools.cache
 def _skipper() -> re.Pattern[str]:
     """What the grammar ignores (whitespace and comments), to find where a failed scan stopped."""
-    lark = _lark()
-    return re.compile("(?:" + "|".join(t.pattern.to_regexp() for t in lark.terminals if t.name in lark.ignore_tokens) + ")*")
+    return re.compile(_skip_pattern())
 
 
 def read_file(path: str) -> SxList:

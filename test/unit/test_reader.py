@@ -144,3 +144,15 @@ def test_random_text_reads_or_fails_with_a_located_error(text):
         read_text(text, "r.sx")
     except SxError as e:
         assert e.loc is not None and e.loc.file == "r.sx"
+
+
+def test_skipping_is_linear_before_a_bad_character():
+    """Whitespace runs and comments skipped with no nested repetition: an error after many is quick."""
+    import time
+
+    text = "(a\n" + "  ; c\n  #| b |#\n" * 20000 + "   #q)"
+    start = time.process_time()
+    with pytest.raises(SxError) as err:
+        read_text(text, "s.sx")
+    assert time.process_time() - start < 5
+    assert str(err.value.loc) == "s.sx:40002:4" and "unknown reader syntax '#q'" in err.value.message
