@@ -39,6 +39,7 @@ FLUSH_LINES = 2048
 EXP_LISTS = (("parameters", "exp.param"), ("loaders", "exp.loader"), ("evaluations", "exp.evaluation"),
              ("diagnostics", "exp.diagnostic"))
 
+
 def plain(value: Any) -> Any:
     """An attribute value as JSON data: tensor types as shape and dtype, symbols by name."""
     if isinstance(value, float):
