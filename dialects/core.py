@@ -337,7 +337,10 @@ class Operation:
         for region in self.regions:
             for block in region.blocks:
                 for op in block.ops:
-                    yield from op.walk()
+                    if op.regions:
+                        yield from op.walk()
+                    else:  # most ops hold no regions: no generator per leaf
+                        yield op
 
     @property
     def next_op(self) -> Operation | None:

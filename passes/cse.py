@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import Block, Operation
+from sexpgpu.dialects.core import REGISTRY, Block, Operation
 from sexpgpu.passes.dce import graph_funcs
 from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
 
@@ -17,6 +17,11 @@ def freeze_attribute(value: Any) -> Any:
     Types are tagged so `1`, `1.0` and `true` stay apart; floats key by their
     repr so `nan` equals `nan` and `-0.0` differs from `0.0`.
     """
+    kind = type(value)
+    if kind is str:  # the common case (paths, dtypes, names)
+        return value
+    if kind is int:
+        return ("i", value)
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
@@ -49,8 +54,9 @@ def eliminate_common_subexpressions(block: Block) -> int:
     """
     seen: dict[tuple, Operation] = {}
     merged = 0
+    lookup = REGISTRY.ops.get
     for op in block.ops:
-        opdef = op.opdef
+        opdef = lookup(op.name)
         if opdef is None or not opdef.pure or op.regions or not op.results:
             continue
         key = op_key(op)

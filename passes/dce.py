@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from attrs import define
-from sexpgpu.dialects.core import Block, Operation
+from sexpgpu.dialects.core import REGISTRY, Block, Operation
 from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
 
 
 def is_trivially_dead(op: Operation) -> bool:
     """A pure, region-free op none of whose results is used (unknown ops are never dead)."""
-    opdef = op.opdef
-    if opdef is None or not opdef.pure or op.regions:
-        return False
-    return all(not r.uses for r in op.results)
+    for r in op.results:  # most ops are live: look at their uses before their definition
+        if r.uses:
+            return False
+    opdef = REGISTRY.ops.get(op.name)
+    return opdef is not None and opdef.pure and not op.regions
 
 
 def eliminate_dead_ops(block: Block) -> int:

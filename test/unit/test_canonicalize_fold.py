@@ -6,7 +6,13 @@ import math
 
 import numpy as np
 import pytest
-from sexpgpu.passes.canonicalize import _EXACT_ARITH, _EXACT_COMPARE, _EXACT_UNARY, _exact_f32_fold, _numpy_ops
+from sexpgpu.passes.canonicalize import (
+    _EXACT_ARITH,
+    _EXACT_COMPARE,
+    _EXACT_UNARY,
+    _exact_f32_fold,
+    _numpy_ops,
+)
 
 EDGES = [0.0, -0.0, 1.0, -1.0, 0.1, 3.4e38, -3.4e38, 1e-45, 1.17e-38, 2.5e-39, 7.0, 1e30, 1e-30, math.inf, -math.inf,
          math.nan, 1e39]
