@@ -45,9 +45,11 @@ from sexpgpu.backends.checkpoint import (
     write_checkpoint,
 )
 from sexpgpu.backends.events import EventLog, finite_or_none
+from sexpgpu.backends.flat_updates import flat_clip, flat_update_graph
 from sexpgpu.backends.interpreter import CompiledGraph, compile_graph
 from sexpgpu.backends.loaders import Loader, vocabulary_bounds
 from sexpgpu.backends.progress import ProgressReporter, format_metrics, format_seconds
+from sexpgpu.passes.build_updates import CLIP_EPS
 
 from sexpgpu import __version__
 from sexpgpu.diagnostics import SxError, UsageError, display_path
@@ -193,6 +195,7 @@ class Trainer:
                        for path, v in experiment.compiled.init_params().items()}
         self.states = {f"{path}/{state}": np.zeros(shape, np.float32)
                        for path, (_, states) in self.updates.items() for state, shape in states.items()}
+        self._lay_out_flat_groups()
         self.start_step = 0
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -220,6 +223,55 @@ class Trainer:
         if missing:
             raise SxError(f"no update graph for parameter {missing[0]}", exp.run_op.loc)
         self.clips = [compile_graph(func) for func in exp.graphs_of_kind("clip")]
+        self.clip_norms = [float(func.attributes["max_norm"]) for func in exp.graphs_of_kind("clip")]
+        #: Groups updated as one: (the group's update graph over flat [N] arrays, its member paths).
+        self.flat_groups: list[tuple[CompiledGraph, list[str]]] = []
+        members: dict[str, list[Any]] = {}
+        for func in exp.graphs_of_kind("update"):
+            members.setdefault(str(func.attributes.get("group")), []).append(func)
+        sizes = {op.attributes["path"]: op.attributes["type"].numel for op in exp.param_ops}
+        for funcs in members.values():
+            paths = [str(func.attributes["param"]) for func in funcs]
+            flat = flat_update_graph(funcs, sum(sizes[path] for path in paths)) if len(funcs) > 1 else None
+            if flat is not None:
+                self.flat_groups.append((compile_graph(flat), paths))
+
+    def _lay_out_flat_groups(self) -> None:
+        """The parameters, gradients and states of each flat group as views into flat arrays.
+
+        One float32 array of every parameter of the flat groups, one alike for
+        their gradients (the train graph's are copied in), and per group one
+        per state; `self.params` and `self.states` hold views into them, in the
+        members' shapes, so everything else (graph inputs, checkpoints, resume)
+        sees the same arrays as before.
+        """
+        #: param path → its (start, end) in the flat arrays
+        self.flat_bounds: dict[str, tuple[int, int]] = {}
+        end = 0
+        for _, paths in self.flat_groups:
+            for path in paths:
+                self.flat_bounds[path] = (end, end + self.params[path].size)
+                end += self.params[path].size
+        self.flat_params = np.zeros(end, np.float32)
+        self.flat_grads = np.zeros(end, np.float32)
+        self.flat_grad_views: dict[str, np.ndarray] = {}
+        for path, (a, b) in self.flat_bounds.items():
+            shape = self.params[path].shape
+            view = self.flat_params[a:b].reshape(shape)
+            np.copyto(view, self.params[path])
+            self.params[path] = view
+            self.flat_grad_views[f"grad/{path}"] = self.flat_grads[a:b].reshape(shape)
+        #: per flat group: (its update graph, its span, state name → flat array)
+        self.flat_updates: list[tuple[CompiledGraph, slice, dict[str, np.ndarray]]] = []
+        for graph, paths in self.flat_groups:
+            start, stop = self.flat_bounds[paths[0]][0], self.flat_bounds[paths[-1]][1]
+            states: dict[str, np.ndarray] = {}
+            for state in self.updates[paths[0]][1]:
+                states[state] = np.zeros(stop - start, np.float32)
+                for path in paths:
+                    a, b = self.flat_bounds[path]
+                    self.states[f"{path}/{state}"] = states[state][a - start:b - start].reshape(self.params[path].shape)
+            self.flat_updates.append((graph, slice(start, stop), states))
 
     def _check_vocabularies(self) -> None:
         bounds: dict[str, dict[str, int]] = {}
@@ -308,7 +360,8 @@ class Trainer:
         observed: dict[str, np.ndarray] = {}
         for index in range(self.exp.microbatches):
             graph = self._microbatch_graph(index, diagnosed)
-            result = graph(self._inputs(graph, self.train_loader.next_batch(), grads))
+            # The gradients of the flat groups go straight into the flat gradient array.
+            result = graph(self._inputs(graph, self.train_loader.next_batch(), grads), self.flat_grad_views)
             loss_sum += float(result.outputs["loss"])
             grads = {name: value for name, value in result.outputs.items() if name.startswith("grad/")}
             for name, value in result.metrics.items():
@@ -321,18 +374,27 @@ class Trainer:
             scale = np.float32(1.0 / self.exp.microbatches)
             for value in grads.values():
                 value *= scale
-        for clip in self.clips:
+        for clip, max_norm in zip(self.clips, self.clip_norms):
+            paths = [spec.name.removeprefix("grad/") for spec in clip.inputs]
+            if all(path in self.flat_bounds for path in paths):
+                flat_clip(self.flat_grads, [self.flat_bounds[path] for path in paths], max_norm, CLIP_EPS)
+                continue
             clipped = clip({spec.name: grads[spec.name] for spec in clip.inputs}).outputs
-            grads.update({name: value for name, value in clipped.items() if name in grads})
+            for name, value in clipped.items():
+                if name in grads:
+                    np.copyto(grads[name], value)
         step_input = np.asarray(step, dtype=np.float32)
+        for update, span, states in self.flat_updates:
+            inputs = {"param": self.flat_params[span], "grad": self.flat_grads[span], "step": step_input, **states}
+            # In place: the new parameters and states are written over the old.
+            update(inputs, {"param": inputs["param"], **states})
         for path, (update, states) in self.updates.items():
+            if path in self.flat_bounds:
+                continue
             inputs = {"param": self.params[path], "grad": grads[f"grad/{path}"], "step": step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
-            outputs = update(inputs).outputs
             # In place: the parameter and state buffers live for the whole run.
-            np.copyto(self.params[path], outputs["param"])
-            for state in states:
-                np.copyto(self.states[f"{path}/{state}"], outputs[state])
+            update(inputs, {name: inputs[name] for name in ("param", *states)})
         count = self.exp.microbatches
         metrics = {name: total / count for name, total in metric_sums.items()}
         return loss_sum / count, metrics, counter_sums, observed

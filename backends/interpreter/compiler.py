@@ -16,6 +16,13 @@ by op name. Two memory plans keep repeated calls cheap:
 Outputs and emitted values never live in reused buffers, so what a call
 returns stays valid after later calls and is the caller's to update in place;
 an output that is a view, an input or a constant is copied.
+
+A call may name arrays to write outputs into (`graph(inputs, out={name:
+array})`): an output computed by a kernel taking `out=` is written there
+directly (no fresh array, no copy), others are copied there at the end. Such
+an array may even be an input of the call (an optimizer state updated in
+place) when that input is not read after the output is computed (known at
+compile time); otherwise the output goes through a fresh array and is copied.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class CompiledGraph:
         emits: list[tuple[str, str, int]],
         register_count: int,
         buffer_stats: tuple[int, int],
+        direct: list[tuple[str, int, tuple[int, ...], np.dtype, tuple[int, ...]]] = (),
     ) -> None:
         self.name = name
         #: How many values live in reused buffers, and the bytes those buffers take.
@@ -99,6 +107,9 @@ class CompiledGraph:
         self._outputs = outputs
         self._emits = emits
         self._register_count = register_count
+        #: Outputs whose kernel writes into an array given at call time: (name, the register
+        #: holding that array, shape, dtype, registers of inputs still read after it is written).
+        self._direct = list(direct)
         #: The op each step runs (None for a release step), for `profile`.
         self.step_ops: list[Operation | None] = []
 
@@ -106,18 +117,22 @@ class CompiledGraph:
     def output_names(self) -> list[str]:
         return [name for name, _, _ in self._outputs]
 
-    def __call__(self, inputs: Mapping[str, Any]) -> GraphResult:
-        regs: Registers = [None] * self._register_count
-        for spec in self.inputs:
-            regs[spec.register] = _checked_input(spec, inputs)
-        for register, value in self._constants:
-            regs[register] = value
+    def __call__(self, inputs: Mapping[str, Any], out: Mapping[str, np.ndarray] | None = None) -> GraphResult:
+        """Run the graph. `out` maps output names to arrays (of the output's shape and storage
+        dtype, not overlapping each other) that receive them; `outputs` then holds those arrays."""
+        regs = self._start(inputs, out)
         for step in self._steps:
             step(regs)
         result = GraphResult({}, {}, {}, {})
         for name, register, copy in self._outputs:
             value = regs[register]
-            result.outputs[name] = np.array(value) if copy else np.asarray(value)
+            target = out.get(name) if out else None
+            if target is not None:
+                if value is not target:
+                    np.copyto(target, value)
+                result.outputs[name] = target
+            else:
+                result.outputs[name] = np.array(value) if copy else np.asarray(value)
         for kind, name, register in self._emits:
             getattr(result, kind)[name] = regs[register]
         return result
@@ -129,11 +144,7 @@ class CompiledGraph:
         `clock` (`time.process_time` counts this process's CPU time: steadier on a shared machine
         when BLAS runs one thread): (op, seconds) in step order. A fused matmul-and-sum is timed as
         its matmul."""
-        regs: Registers = [None] * self._register_count
-        for spec in self.inputs:
-            regs[spec.register] = _checked_input(spec, inputs)
-        for register, value in self._constants:
-            regs[register] = value
+        regs = self._start(inputs, None)
         times = []
         for step, op in zip(self._steps, self.step_ops):
             started = clock()
@@ -141,6 +152,22 @@ class CompiledGraph:
             if op is not None:
                 times.append((op, clock() - started))
         return times
+
+
+    def _start(self, inputs: Mapping[str, Any], out: Mapping[str, np.ndarray] | None) -> Registers:
+        """The register file at the start of a call: inputs, constants, output arrays."""
+        regs: Registers = [None] * self._register_count
+        for spec in self.inputs:
+            regs[spec.register] = _checked_input(spec, inputs)
+        for register, value in self._constants:
+            regs[register] = value
+        for name, register, shape, dtype, still_read in self._direct:
+            target = out.get(name) if out else None
+            if (target is None or target.shape != shape or target.dtype != dtype
+                    or any(np.may_share_memory(target, regs[i]) for i in still_read)):
+                target = np.empty(shape, dtype)
+            regs[register] = target
+        return regs
 
 
 def _checked_input(spec: InputSpec, inputs: Mapping[str, Any]) -> np.ndarray:
@@ -186,7 +213,22 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     scalars = _scalar_splats(ops, users)
     implicit = _implicit_broadcasts(ops, users, scalars)
     summed = _batch_summed_matmuls(ops, users, policy)
-    registers: dict[Value, int] = {}
+    registers: dict[Any, int] = {}
+    direct_outputs = _direct_outputs(ops, plan, policy)
+    direct: list[tuple[str, int, tuple[int, ...], np.dtype, tuple[int, ...]]] = []
+
+    def direct_register(value: Value, position: int, in_place: bool) -> int | None:
+        """The register of the caller's array for this output (None if it has none), and what
+        that array must not overlap: the inputs whose storage is read after `position`."""
+        name = direct_outputs.get(value)
+        if name is None:
+            return None
+        slot = registers.setdefault(("out", name), len(registers))
+        still_read = tuple(spec.register for spec in inputs
+                           if plan.storage_end[spec.op.result] > position
+                           or (plan.storage_end[spec.op.result] == position and not in_place))
+        direct.append((name, slot, value.type.shape, policy.storage(value.type.dtype), still_read))
+        return slot
 
     def register(value: Value) -> int:
         return registers.setdefault(value, len(registers))
@@ -221,7 +263,9 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             total = summed[op]
             args = tuple(registers[v] for v in op.operands)
             dst = register(total.result)
-            steps.append(_compute_step(batch_summed_matmul, args, dst, plan.buffer_for(total.result, policy)))
+            buffer = plan.buffer_for(total.result, policy)
+            slot = direct_register(total.result, position, False)
+            steps.append(_compute_step(batch_summed_matmul, args, dst, buffer, slot))
             step_ops.append(op)
         elif op in summed.values():
             pass
@@ -234,7 +278,9 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             args = tuple(registers[v] for v in op.operands)
             dst = register(op.result)
             buffer = plan.buffer_for(op.result, policy) if kernel.takes_out else None
-            steps.append(_compute_step(kernel.fn, args, dst, buffer))
+            slot = (direct_register(op.result, position, op.family in IN_PLACE_FAMILIES)
+                    if kernel.takes_out and len(args) <= 2 else None)
+            steps.append(_compute_step(kernel.fn, args, dst, buffer, slot))
             step_ops.append(op)
         released = [registers[v] for v in plan.released_after(position) if v in registers]
         if released:
@@ -243,7 +289,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     # Emit slots live past the value registers (negative indices count from the end).
     graph = CompiledGraph(_func_name(func), inputs, constants, steps, outputs,
                           [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
-                          len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes))
+                          len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes), direct)
     graph.step_ops = step_ops
     return graph
 
@@ -325,12 +371,45 @@ def _batch_summed_matmuls(ops: list[Operation], users: dict[Value, list[Operatio
     return fused
 
 
+def _direct_outputs(ops: list[Operation], plan: _MemoryPlan, policy: DtypePolicy) -> dict[Value, str]:
+    """Outputs a kernel may write straight into a caller's array: returned once, emitted never,
+    neither a view nor an input or constant, in a dtype computed natively."""
+    returned: dict[Value, list[str]] = {}
+    emitted: set[Value] = set()
+    for op in ops:
+        if op.name == "graph.return":
+            for name, value in zip(op.attributes["names"], op.operands):
+                returned.setdefault(value, []).append(name)
+        elif op.name in EMIT_KINDS:
+            emitted.add(op.operands[0])
+    return {value: names[0] for value, names in returned.items()
+            if len(names) == 1 and value not in emitted and not plan.is_shared(value)
+            and not policy.rounds(value.type.dtype)}
+
+
 def _func_name(func: Operation) -> str:
     name = func.attributes["sym_name"]
     return getattr(name, "name", name)
 
 
-def _compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None) -> Step:
+def _compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None,
+                  out_register: int | None = None) -> Step:
+    if out_register is not None:
+        # An output: into the array the call put in `out_register` (the caller's, or a fresh one).
+        o = out_register
+        if len(args) == 1:
+            (a,) = args
+
+            def unary_to_output(regs: Registers) -> None:
+                regs[dst] = fn(regs[a], out=regs[o])
+
+            return unary_to_output
+        a, b = args
+
+        def binary_to_output(regs: Registers) -> None:
+            regs[dst] = fn(regs[a], regs[b], out=regs[o])
+
+        return binary_to_output
     if out is not None:
         if len(args) == 1:
             (a,) = args

@@ -1,0 +1,44 @@
+"""Group-wide updates and clipping over flat buffers: bit-identical to the per-parameter graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sexpgpu.backends.training as training
+from sexpgpu.backends.flat_updates import flat_update_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trainer(flat: bool, monkeypatch: pytest.MonkeyPatch) -> training.Trainer:
+    experiment = training.Experiment(str(ROOT / "examples" / "tiny-gpt.sx"), "smoke", [])
+    with monkeypatch.context() as patch:
+        if not flat:
+            patch.setattr(training, "flat_update_graph", lambda *args: None)
+        return training.Trainer(experiment, Path("/nonexistent-record"), None)
+
+
+def test_flat_group_updates_and_clip_are_bit_identical_to_per_parameter_graphs(monkeypatch):
+    flat, single = trainer(True, monkeypatch), trainer(False, monkeypatch)
+    assert len(flat.flat_groups) == 1 and not single.flat_groups
+    assert flat.clips and all(np.shares_memory(flat.params[p], flat.flat_params) for p in flat.params)
+    for step in range(1, 5):
+        assert flat.train_step(step)[0] == single.train_step(step)[0]
+    for name, value in single.params.items():
+        assert np.array_equal(flat.params[name], value), name
+    for name, value in single.states.items():
+        assert np.array_equal(flat.states[name], value), name
+
+
+def test_graphs_that_differ_beyond_the_shape_are_not_flattened(monkeypatch):
+    exp = training.Experiment(str(ROOT / "examples" / "tiny-gpt.sx"), "smoke", [])
+    updates = exp.graphs_of_kind("update")
+    assert flat_update_graph(updates, sum(op.attributes["type"].numel for op in exp.param_ops)) is not None
+    # A clip graph sums over each gradient: not elementwise.
+    assert flat_update_graph(exp.graphs_of_kind("clip"), 10) is None
+    # A different constant in one member.
+    const = next(op for op in updates[1].body.ops if op.name == "graph.const" and op.result.type.rank > 0)
+    monkeypatch.setitem(const.attributes, "value", 0.5)
+    assert flat_update_graph(updates, 10) is None
