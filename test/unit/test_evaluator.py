@@ -1,7 +1,6 @@
 """The evaluator: semantics, errors with locations and trails, the extension points."""
 
 import os
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -165,12 +164,11 @@ def test_dtype_names_evaluate_to_themselves():
     assert Evaluator().eval_text("i32")[0] == Symbol("i32")
 
 
-def test_fold_speed():
+def test_fold_over_100k_elements_needs_no_python_recursion():
+    # Speed is measured by benchmarks/frontend.py, not asserted here.
     session = Evaluator()
     session.eval_text("(def xs (range 100000))")
-    start = time.perf_counter()
     assert session.eval_text("(fold (fn (acc x) (+ acc x)) 0 xs)")[0] == 4999950000
-    assert 100_000 / (time.perf_counter() - start) > 100_000  # calls/s, with margin for slow CI
 
 
 # -- property: any program gives a value or an SxError --
