@@ -348,9 +348,14 @@ class FoldSplatConstants(RewritePattern):
     op_names = (*sorted(_UNARY_OPS), *sorted(_BINARY_OPS), "graph.cast", *_SPLAT_PRESERVING)
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
-        scalars = [splat_value(v) for v in op.operands]
-        if not scalars or any(s is None for s in scalars):
+        if not op.operands:
             return False
+        scalars = []
+        for v in op.operands:  # most ops fail on their first operand: stop there
+            scalar = splat_value(v)
+            if scalar is None:
+                return False
+            scalars.append(scalar)
         folded = self.fold(op, scalars)
         if folded is None:
             return False

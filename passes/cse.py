@@ -37,11 +37,14 @@ def freeze_attribute(value: Any) -> Any:
 
 def op_key(op: Operation) -> tuple:
     """What makes two ops interchangeable: name, operands, attributes, result types."""
+    attributes = op.attributes
+    results = op.results
     return (
         op.name,
         tuple(map(id, op.operands)),
-        tuple(sorted((k, freeze_attribute(v)) for k, v in op.attributes.items())),
-        tuple(r.type for r in op.results),
+        # Attribute names are unique: sorting the names alone orders the pairs.
+        tuple([(k, freeze_attribute(attributes[k])) for k in sorted(attributes)]),
+        (results[0].type,) if len(results) == 1 else tuple(r.type for r in results),
     )
 
 
