@@ -151,7 +151,8 @@ def test_ctrl_c_checkpoints_and_ends_interrupted(tmp_path):
     assert process.returncode == 130
     end = read_events(out / "events.jsonl")[-1]
     assert end["type"] == "end" and end["status"] == "interrupted" and end["step"] >= 1
-    assert [s for s, _ in list_checkpoints(out)] == [end["step"]]
+    # Periodic checkpoints may precede it; the interrupt writes the last one, at the step it stopped.
+    assert [s for s, _ in list_checkpoints(out)][-1] == end["step"]
 
 
 def test_non_finite_loss_ends_diverged_naming_the_step(tmp_path):
