@@ -63,7 +63,9 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     by_line: dict[str, float] = defaultdict(float)
     for index, (op, _) in enumerate(runs[0]):
         elapsed = statistics.median(run[index][1] for run in runs)
-        by_op[op.name.removeprefix("graph.")] += elapsed
+        fused = graph.fused_ops.get(op)
+        name = "+".join(sorted({o.name.removeprefix("graph.") for o in fused})) if fused else op.name.removeprefix("graph.")
+        by_op[name] += elapsed
         where = "unknown"
         if op.loc is not None:
             via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""

@@ -112,6 +112,8 @@ class CompiledGraph:
         self._direct = list(direct)
         #: The op each step runs (None for a release step), for `profile`.
         self.step_ops: list[Operation | None] = []
+        #: Steps that run several ops: the step's op (as in `step_ops`) -> all the ops it runs.
+        self.fused_ops: dict[Operation, list[Operation]] = {}
 
     @property
     def output_names(self) -> list[str]:
@@ -143,7 +145,7 @@ class CompiledGraph:
         """Run once as `__call__` does (same kernels, buffers and fusions), timing each step by
         `clock` (`time.process_time` counts this process's CPU time: steadier on a shared machine
         when BLAS runs one thread): (op, seconds) in step order. A fused matmul-and-sum is timed as
-        its matmul."""
+        its matmul, a fused sum of pads as its root add (`fused_ops` lists what such a step runs)."""
         regs = self._start(inputs, None)
         times = []
         for step, op in zip(self._steps, self.step_ops):
@@ -205,11 +207,16 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
         raise ValueError(f"compile_graph needs a graph.func, got {func.name}")
     policy = DtypePolicy(float_mode)
     ops = list(func.body.ops)
-    plan = _MemoryPlan(ops)
     users: dict[Value, list[Operation]] = {}
     for op in ops:
         for v in op.operands:
             users.setdefault(v, []).append(op)
+    pad_sums = _pad_sums(ops, users, policy)
+    pad_members = {member for members in pad_sums.values() for member in members}
+    # A fused pad-sum runs at its root add: its pads' operands are read there.
+    position_of = {op: i for i, op in enumerate(ops)}
+    runs_at = {member: position_of[root] for root, members in pad_sums.items() for member in members}
+    plan = _MemoryPlan(ops, runs_at)
     scalars = _scalar_splats(ops, users)
     implicit = _implicit_broadcasts(ops, users, scalars)
     summed = _batch_summed_matmuls(ops, users, policy)
@@ -267,8 +274,19 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             slot = direct_register(total.result, position, False)
             steps.append(_compute_step(batch_summed_matmul, args, dst, buffer, slot))
             step_ops.append(op)
-        elif op in summed.values():
+        elif op in summed.values() or op in pad_members:
             pass
+        elif op in pad_sums:
+            # add(…add(pad(a), pad(b))…, pad(c)) over disjoint ranges: each operand written into its
+            # range of one buffer (plus zero, as the adds did), the rest zeroed; no padded copies.
+            pads = [member for member in pad_sums[op] if member.name == "graph.pad"]
+            fn = pad_sum_kernel(pads, op.result.type.shape, policy.storage(op.result.type.dtype))
+            args = tuple(registers[p.operands[0]] for p in pads)
+            dst = register(op.result)
+            buffer = plan.buffer_for(op.result, policy, in_place=False)
+            slot = direct_register(op.result, position, False)
+            steps.append(_variadic_into_step(fn, args, dst, buffer, slot))
+            step_ops.append(op)
         elif op in implicit:
             # Its readers broadcast the operand themselves: pass the operand on as it is.
             steps.append(_alias_step(registers[op.operands[0]], register(op.result)))
@@ -291,7 +309,95 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
                           [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
                           len(registers) + emit_registers, (plan.buffered_values, plan.buffer_bytes), direct)
     graph.step_ops = step_ops
+    graph.fused_ops = {root: [*members, root] for root, members in pad_sums.items()}
     return graph
+
+
+def _pad_sums(ops: list[Operation], users: dict[Value, list[Operation]],
+              policy: DtypePolicy) -> dict[Operation, list[Operation]]:
+    """Trees of adds whose leaves are pads along one axis into disjoint ranges (the gradient of
+    slicing a tensor into pieces, e.g. q, k and v out of one projection), each pad and inner add
+    read only by its parent in the tree, in a natively computed dtype: root add -> the pads and
+    inner adds."""
+    fused: dict[Operation, list[Operation]] = {}
+    taken: set[Operation] = set()
+    for root in reversed(ops):
+        if root.name != "graph.add" or root in taken or policy.rounds(root.result.type.dtype):
+            continue
+        members: list[Operation] = []
+        ranges: list[tuple[int, int]] = []
+        axes: set[int] = set()
+        if not _collect_pad_sum(root, root, users, members, ranges, axes) or len(axes) != 1 or len(ranges) < 2:
+            continue
+        ordered = sorted(ranges)
+        if any(end > start for (_, end), (start, _) in zip(ordered, ordered[1:])):
+            continue
+        fused[root] = members
+        taken.update(members)
+    return fused
+
+
+def _collect_pad_sum(root: Operation, parent: Operation, users: dict[Value, list[Operation]],
+                     members: list[Operation], ranges: list[tuple[int, int]], axes: set[int]) -> bool:
+    """Whether `parent`'s operands are pads and adds of a pad-sum under `root`, collecting them."""
+    for v in parent.operands:
+        child = v.op
+        if (child is None or users.get(v) != [parent] or v.type.shape != root.result.type.shape
+                or child.name not in ("graph.add", "graph.pad")):
+            return False
+        members.append(child)
+        if child.name == "graph.add":
+            if not _collect_pad_sum(root, child, users, members, ranges, axes):
+                return False
+        else:
+            axis = child.attributes["axis"]
+            before = child.attributes["before"]
+            axes.add(axis)
+            ranges.append((before, before + child.operands[0].type.shape[axis]))
+    return True
+
+
+def pad_sum_kernel(pads: list[Operation], shape: tuple[int, ...], storage: np.dtype) -> Callable[..., Any]:
+    """The sum of `pads` (along one axis, into disjoint ranges) as one array: each pad's operand
+    plus zero in its range (what the adds computed there: x + 0 + … + 0 is x + 0, which only turns
+    -0 into +0), zeros elsewhere."""
+    axis = pads[0].attributes["axis"]
+    ranges = []
+    for pad in pads:
+        before = pad.attributes["before"]
+        ranges.append((before, before + pad.operands[0].type.shape[axis]))
+    pieces = [(slice(None),) * axis + (slice(start, end),) for start, end in ranges]
+    margins, covered = [], 0
+    for start, end in sorted(ranges) + [(shape[axis], shape[axis])]:
+        if start > covered:
+            margins.append((slice(None),) * axis + (slice(covered, start),))
+        covered = end
+    zero = np.zeros((), storage)
+
+    def pad_sum(*xs: Any, out: Any = None) -> Any:
+        if out is None:
+            out = np.empty(shape, storage)
+        for margin in margins:
+            out[margin] = 0
+        for x, piece in zip(xs, pieces):
+            np.add(x, zero, out=out[piece])
+        return out
+
+    return pad_sum
+
+
+def _variadic_into_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None,
+                        out_register: int | None) -> Step:
+    if out_register is not None:
+        def variadic_to_output(regs: Registers) -> None:
+            regs[dst] = fn(*[regs[i] for i in args], out=regs[out_register])
+
+        return variadic_to_output
+
+    def variadic_into(regs: Registers) -> None:
+        regs[dst] = fn(*[regs[i] for i in args], out=out)
+
+    return variadic_into
 
 
 #: Families whose kernels broadcast a 0-d operand against a full one (numpy binary ufuncs).
@@ -477,7 +583,10 @@ def _release_step(released: list[int]) -> Step:
 class _MemoryPlan:
     """Liveness of every value over the op order, and the reused buffers it allows."""
 
-    def __init__(self, ops: list[Operation]) -> None:
+    def __init__(self, ops: list[Operation], runs_at: Mapping[Operation, int] | None = None) -> None:
+        """`runs_at`: ops fused into a later step, by the position of that step (they read their
+        operands there)."""
+        runs_at = runs_at or {}
         self.position = {op: i for i, op in enumerate(ops)}
         self.root: dict[Value, Value] = {}
         #: Last position at which the storage of each root is read (through any view of it).
@@ -487,11 +596,12 @@ class _MemoryPlan:
         self.escaping: set[Value] = set()
         self.fixed: set[Value] = set()
         for i, op in enumerate(ops):
+            read = runs_at.get(op, i)
             for v in op.operands:
-                self.last_use[v] = i
+                self.last_use[v] = max(self.last_use.get(v, read), read)
             for r in op.results:
                 self.root[r] = self.root[op.operands[0]] if op.name in VIEW_OPS else r
-                self.last_use[r] = i
+                self.last_use[r] = max(self.last_use.get(r, read), read)
             if op.name in ("graph.input", "graph.const", "graph.iota"):
                 self.fixed.add(op.result)
             if op.name == "graph.return" or op.name in EMIT_KINDS:
@@ -516,7 +626,7 @@ class _MemoryPlan:
     def released_after(self, position: int) -> list[Value]:
         return self._releases.get(position, [])
 
-    def buffer_for(self, value: Value, policy: DtypePolicy) -> np.ndarray | None:
+    def buffer_for(self, value: Value, policy: DtypePolicy, in_place: bool | None = None) -> np.ndarray | None:
         """A reused buffer for the result of an op taking `out=`, or None when it must be fresh.
 
         Called in op order. Buffers of storage that dies at this op are freed
@@ -525,7 +635,8 @@ class _MemoryPlan:
         """
         op = value.op
         position = self.position[op]
-        in_place = op.family in IN_PLACE_FAMILIES
+        if in_place is None:
+            in_place = op.family in IN_PLACE_FAMILIES
         if in_place:
             self._free_dying(position)
         buffer = None

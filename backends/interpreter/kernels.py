@@ -360,7 +360,17 @@ def _cast(op: Operation, policy: DtypePolicy) -> Kernel:
     compute = policy.compute(source)
     if target == "i1":
         return Kernel(lambda x: np.not_equal(_widen16(x, compute), 0))
-    return Kernel(lambda x: _widen16(x, compute).astype(storage))
+    if policy.rounds(source) or policy.rounds(target):
+        return Kernel(lambda x: _widen16(x, compute).astype(storage))
+
+    def cast(x: Any, out: Any = None) -> Any:
+        # Into a reused buffer: copyto casts element by element exactly as astype does.
+        if out is None:
+            return np.asarray(x).astype(storage)
+        np.copyto(out, x, casting="unsafe")
+        return out
+
+    return Kernel(cast, takes_out=True)
 
 
 # -- values fixed when the graph is compiled ----------------------------------------------------
