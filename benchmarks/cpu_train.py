@@ -53,8 +53,8 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     Runs the compiled train graph step by step (`CompiledGraph.profile`: the
     same kernels, reused buffers and fused contractions as a real call), timing
     each step in process CPU time, the median over `repeats` calls per op; a
-    fused matmul-and-sum counts as a matmul, an implicit broadcast as almost
-    nothing.
+    fused matmul-and-sum counts as a matmul, a fused sum of pads as "add+pad",
+    an implicit broadcast as almost nothing.
     """
     graph = trainer.train
     inputs = trainer._inputs(graph, trainer.train_loader.batch_at(0))

@@ -155,7 +155,8 @@ def _where(op: Operation, policy: DtypePolicy) -> Kernel:
 
 # -- reduce -------------------------------------------------------------------------------------
 
-_REDUCE = {"graph.sum": np.sum, "graph.max": np.max, "graph.min": np.min}
+#: The ufunc reductions np.sum, np.max and np.min call (bound once, without their Python wrappers).
+_REDUCE = {"graph.sum": np.add.reduce, "graph.max": np.maximum.reduce, "graph.min": np.minimum.reduce}
 
 
 @_builds(*_REDUCE)
@@ -165,10 +166,10 @@ def _reduce(op: Operation, policy: DtypePolicy) -> Kernel:
     keep = bool(op.attributes["keep"])
     dtype = op.operands[0].type.dtype
     # numpy would sum int32 into int64 and bools into ints: keep the operand's (compute) dtype.
-    accumulate = {"dtype": policy.compute(dtype)} if reduce is np.sum else {}
+    accumulate = policy.compute(dtype) if op.name == "graph.sum" else None
 
     def fn(x: Any, out: Any = None) -> Any:
-        return reduce(x, axis=axes, keepdims=keep, out=out, **accumulate)
+        return reduce(x, axis=axes, dtype=accumulate, out=out, keepdims=keep)
 
     return _arith(op, policy, fn, True, dtype)
 
