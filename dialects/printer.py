@@ -17,7 +17,6 @@ hint prints as `%hint` (made unique), so parse-then-print reproduces the text.
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import re
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from sexpgpu.dialects.core import Block, Operation, SymbolRef, TensorType, Value, quote_symbol
 
 from sexpgpu.diagnostics import Location
+from sexpgpu.float_text import shortest_float
 
 _BARE_KEY = re.compile(r"[A-Za-z_][\w$.-]*\Z")
 _BARE_NAME = re.compile(r"[A-Za-z_][\w$.-]*\Z")
@@ -40,12 +40,8 @@ def print_string(s: str) -> str:
 
 
 def print_float(x: float) -> str:
-    """The shortest repr that reads back as the same float and never as an int."""
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return repr(float(x))
+    """A float attribute: the shortest text that reads back as the same float, never as an int."""
+    return shortest_float(x)
 
 
 def print_location(loc: Location | None) -> str:

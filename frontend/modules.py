@@ -18,6 +18,7 @@ changes the others.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -115,10 +116,7 @@ class Param(Traceable):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def trace_value(self, trace: Trace, loc: Location | None) -> Tensor:
         from sexpgpu.dialects.core import TensorType

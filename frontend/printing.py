@@ -8,9 +8,10 @@ reads back as the same form). Any other object prints through the
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
+
+from sexpgpu.float_text import shortest_float
 
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxMap, SxVector, Symbol
 
@@ -73,10 +74,5 @@ def _show_int(x: int) -> str:
 
 
 def _show_float(x: float) -> str:
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    text = repr(x)
     # Python writes 1e+16; the reader takes both, the shorter reads better.
-    return text.replace("e+", "e")
+    return shortest_float(x).replace("e+", "e")

@@ -51,7 +51,12 @@ CLEANUP_PASSES = ("canonicalize", "cse", "dce")
 @register_pass
 @define
 class Autodiff(Pass):
-    """Adds `grad/<path>` outputs (the loss gradient per param) to the train graph."""
+    """Adds `grad/<path>` outputs (the loss gradient per param) to the train graph.
+
+    Guarantees: every float param of each selected graph gets one `grad/<path>`
+    output in its shape and dtype (zeros where the loss does not depend on it);
+    the existing outputs are unchanged.
+    """
 
     name = "autodiff"
     summary = "reverse-mode gradients of the loss for every param of the train graph"

@@ -12,42 +12,25 @@ integer and boolean tensors, or for floats with the `fast-math` option.
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 import struct
-from collections.abc import Callable
 from typing import Any
 
 from attrs import define
 from sexpgpu.dialects.core import FLOAT_DTYPES, Operation, Value
+from sexpgpu.dialects.graph_semantics import (
+    BINARY_OPS,
+    FLOAT64_ARITH,
+    FLOAT64_COMPARE,
+    FLOAT64_UNARY,
+    UNARY_OPS,
+    numpy_binary,
+    numpy_dtypes,
+    numpy_unary,
+)
 from sexpgpu.passes.dce import graph_funcs
 from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
 from sexpgpu.passes.rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
-
-# numpy (and ml_dtypes) are imported on the first fold that needs them: most folds take the exact
-# pure-Python path below, and `sexpgpu check` should not pay numpy's import for a handful of them.
-
-
-@functools.cache
-def _numpy_dtypes() -> dict[str, Any]:
-    import ml_dtypes
-    import numpy as np
-
-    return {
-        "f32": np.float32,
-        "f16": np.float16,
-        "bf16": ml_dtypes.bfloat16,
-        "i32": np.int32,
-        "i64": np.int64,
-        "i1": np.bool_,
-    }
-
-
-def __getattr__(name: str) -> Any:
-    if name == "NUMPY_DTYPES":
-        return _numpy_dtypes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def splat_value(value: Value) -> Any:
@@ -228,78 +211,11 @@ class SelectOfKnown(RewritePattern):
 # -- splat constant folding --------------------------------------------------------------------
 
 
-def _rsqrt(x: Any) -> Any:
-    import numpy as np
-
-    return 1 / np.sqrt(x)
-
-
-def _erf(x: Any) -> Any:
-    return type(x)(math.erf(float(x)))
-
-
-@functools.cache
-def _numpy_ops() -> tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[Any, Any], Any]]]:
-    """The unary and binary ops on scalars of the operand's numpy type."""
-    import numpy as np
-
-    unary = {
-        "graph.neg": np.negative,
-        "graph.exp": np.exp,
-        "graph.log": np.log,
-        "graph.sqrt": np.sqrt,
-        "graph.rsqrt": _rsqrt,
-        "graph.tanh": np.tanh,
-        "graph.erf": _erf,
-        "graph.abs": np.abs,
-        "graph.recip": np.reciprocal,
-        "graph.sin": np.sin,
-        "graph.cos": np.cos,
-    }
-    binary = {
-        "graph.add": np.add,
-        "graph.sub": np.subtract,
-        "graph.mul": np.multiply,
-        "graph.div": np.divide,
-        "graph.pow": np.power,
-        "graph.maximum": np.maximum,
-        "graph.minimum": np.minimum,
-        "graph.eq": np.equal,
-        "graph.ne": np.not_equal,
-        "graph.lt": np.less,
-        "graph.le": np.less_equal,
-        "graph.gt": np.greater,
-        "graph.ge": np.greater_equal,
-    }
-    return unary, binary
-
-
-_UNARY_OPS = frozenset(
-    {"graph.neg", "graph.exp", "graph.log", "graph.sqrt", "graph.rsqrt", "graph.tanh", "graph.erf", "graph.abs",
-     "graph.recip", "graph.sin", "graph.cos"}
-)
-_BINARY_OPS = frozenset(
-    {"graph.add", "graph.sub", "graph.mul", "graph.div", "graph.pow", "graph.maximum", "graph.minimum", "graph.eq",
-     "graph.ne", "graph.lt", "graph.le", "graph.gt", "graph.ge"}
-)
-
 #: The ops IEEE 754 rounds correctly (so computing in float64 and rounding once to float32 gives
 #: numpy's float32 result exactly: 53 >= 2·24 + 2 bits), on finite values, in pure Python.
-_EXACT_UNARY: dict[str, Callable[[float], float]] = {"graph.neg": operator.neg, "graph.abs": abs, "graph.sqrt": math.sqrt}
-_EXACT_ARITH: dict[str, Callable[[float, float], float]] = {
-    "graph.add": operator.add,
-    "graph.sub": operator.sub,
-    "graph.mul": operator.mul,
-    "graph.div": operator.truediv,
-}
-_EXACT_COMPARE: dict[str, Callable[[float, float], bool]] = {
-    "graph.eq": operator.eq,
-    "graph.ne": operator.ne,
-    "graph.lt": operator.lt,
-    "graph.le": operator.le,
-    "graph.gt": operator.gt,
-    "graph.ge": operator.ge,
-}
+_EXACT_UNARY = {name: FLOAT64_UNARY[name] for name in ("graph.neg", "graph.abs", "graph.sqrt")}
+_EXACT_ARITH = {name: FLOAT64_ARITH[name] for name in ("graph.add", "graph.sub", "graph.mul", "graph.div")}
+_EXACT_COMPARE = FLOAT64_COMPARE
 _F32 = struct.Struct("<f")
 
 
@@ -345,7 +261,7 @@ class FoldSplatConstants(RewritePattern):
     splat constants becomes a splat constant, computed in the operand dtype as the
     backends compute it."""
 
-    op_names = (*sorted(_UNARY_OPS), *sorted(_BINARY_OPS), "graph.cast", *_SPLAT_PRESERVING)
+    op_names = (*sorted(UNARY_OPS), *sorted(BINARY_OPS), "graph.cast", *_SPLAT_PRESERVING)
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         if not op.operands:
@@ -375,14 +291,13 @@ class FoldSplatConstants(RewritePattern):
                 return exact
         import numpy as np
 
-        numpy_dtypes = _numpy_dtypes()
-        unary, binary = _numpy_ops()
-        args = [numpy_dtypes[in_dtype](s) for s in scalars]
+        dtypes, unary, binary = numpy_dtypes(), numpy_unary(), numpy_binary()
+        args = [dtypes[in_dtype](s) for s in scalars]
         with np.errstate(all="ignore"):
             if op.name == "graph.cast":
                 if out_dtype not in FLOAT_DTYPES and out_dtype != "i1" and not np.isfinite(args[0]):
                     return None
-                result = np.array(args[0]).astype(numpy_dtypes[out_dtype])[()]
+                result = np.array(args[0]).astype(dtypes[out_dtype])[()]
             elif op.name in unary:
                 if in_dtype == "i1":
                     return None
@@ -391,7 +306,7 @@ class FoldSplatConstants(RewritePattern):
                 if in_dtype == "i1" or (op.name in _FLOAT_ONLY and in_dtype not in FLOAT_DTYPES):
                     return None
                 result = binary[op.name](args[0], args[1])
-        return _python_scalar(numpy_dtypes[out_dtype](result), out_dtype)
+        return _python_scalar(dtypes[out_dtype](result), out_dtype)
 
 
 def canonical_patterns(fast_math: bool = False) -> list[RewritePattern]:

@@ -23,6 +23,12 @@ from .manager import CompilationUnit, Pass, register_pass
 @register_pass
 @define
 class EvaluatePass(Pass):
+    """Evaluates the unit's .sx file and traces its run into `unit.module`.
+
+    Guarantees: the module holds the exp ops and graph.funcs the file defines
+    under the unit's selection; `unit.facts["experiment"]` holds the evaluated experiment.
+    """
+
     name: ClassVar[str] = "evaluate"
     summary: ClassVar[str] = "evaluate the .sx file under the selection and trace its graphs"
 

@@ -16,18 +16,24 @@ from attrs import define
 from sexpgpu.diagnostics import SxError
 from sexpgpu.report import build_document, render_text
 
-from .manager import CompilationUnit, Pass, register_pass
+from .manager import CompilationUnit, DumpPass, register_pass
 
 
 @register_pass
 @define
-class ExplainPass(Pass):
+class ExplainPass(DumpPass):
+    """Writes the explain report of the unit's module (its text, or with `json` the document).
+
+    Guarantees: the unit is unchanged; the report covers the module and the
+    facts earlier passes left.
+    """
+
     name: ClassVar[str] = "explain"
     summary: ClassVar[str] = "dump the explain report (json=true: the document)"
 
     json: bool = False
 
-    def run(self, unit: CompilationUnit) -> None:
+    def dump(self, unit: CompilationUnit) -> None:
         if unit.module is None:
             raise SxError("explain needs IR: run 'evaluate' first on a .sx file")
         document = build_document(unit.module, unit.facts, unit.path)
@@ -35,4 +41,3 @@ class ExplainPass(Pass):
             unit.out.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
         else:
             unit.out.write(render_text(document))
-        unit.dumped = True

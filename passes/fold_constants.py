@@ -21,38 +21,16 @@ const ops in its update graphs and the clip graphs covering it]`, the list
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from attrs import define
 from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation
+from sexpgpu.dialects.graph_semantics import FLOAT64_ARITH, FLOAT64_UNARY
 from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
 from sexpgpu.diagnostics import SxError
 
 FOLDED_KINDS = ("update", "clip")
 
-UNARY: dict[str, Callable[[float], float]] = {
-    "graph.neg": lambda x: -x,
-    "graph.exp": math.exp,
-    "graph.log": math.log,
-    "graph.sqrt": math.sqrt,
-    "graph.rsqrt": lambda x: 1.0 / math.sqrt(x),
-    "graph.tanh": math.tanh,
-    "graph.erf": math.erf,
-    "graph.abs": abs,
-    "graph.recip": lambda x: 1.0 / x,
-    "graph.sin": math.sin,
-    "graph.cos": math.cos,
-}
-BINARY: dict[str, Callable[[float, float], float]] = {
-    "graph.add": lambda a, b: a + b,
-    "graph.sub": lambda a, b: a - b,
-    "graph.mul": lambda a, b: a * b,
-    "graph.div": lambda a, b: a / b,
-    "graph.pow": lambda a, b: a**b,
-    "graph.maximum": max,
-    "graph.minimum": min,
-}
 SPLAT_SHAPE_OPS = (
     "graph.broadcast",
     "graph.reshape",
@@ -74,10 +52,10 @@ def splat_value(op: Operation | None) -> float | None:
 def fold_value(op: Operation, operands: list[float]) -> float | None:
     """The splat value of `op` applied to splat operands, or None when it does not fold."""
     try:
-        if op.name in UNARY:
-            result = UNARY[op.name](*operands)
-        elif op.name in BINARY:
-            result = BINARY[op.name](*operands)
+        if op.name in FLOAT64_UNARY:
+            result = FLOAT64_UNARY[op.name](*operands)
+        elif op.name in FLOAT64_ARITH:
+            result = FLOAT64_ARITH[op.name](*operands)
         elif op.name in SPLAT_SHAPE_OPS:
             result = operands[0]
         elif op.name == "graph.sum":

@@ -28,7 +28,7 @@ from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
 from sexpgpu import __version__
 from sexpgpu.diagnostics import Location, SxError, display_path
 
-from .manager import CompilationUnit, Pass, register_pass
+from .manager import CompilationUnit, DumpPass, register_pass
 
 FORMAT = "sexpgpu-ir"
 FORMAT_VERSION = 1
@@ -360,12 +360,17 @@ def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
 
 @register_pass
 @define
-class IrJsonPass(Pass):
+class IrJsonPass(DumpPass):
+    """Streams the unit's experiment as the JSON document of the module docstring.
+
+    Guarantees: the unit is unchanged; the output is one JSON document
+    (`compact`: on one line).
+    """
+
     name: ClassVar[str] = "ir-json"
     summary: ClassVar[str] = "dump the whole experiment as a JSON document, streamed (compact=true: one line)"
 
     compact: bool = False
 
-    def run(self, unit: CompilationUnit) -> None:
+    def dump(self, unit: CompilationUnit) -> None:
         write_ir(unit, unit.out, self.compact)
-        unit.dumped = True

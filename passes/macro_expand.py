@@ -26,6 +26,12 @@ DEFINING_HEADS = frozenset({"defmacro", "def", "defn", "require"})
 @register_pass
 @define
 class MacroExpandPass(Pass):
+    """Replaces `unit.forms` by the same forms with every macro use expanded.
+
+    Guarantees: no form holds a macro use outside quoted data; each top-level
+    form keeps its location.
+    """
+
     name: ClassVar[str] = "macro-expand"
     summary: ClassVar[str] = "expand every macro use (dumps the expanded forms)"
 

@@ -75,6 +75,17 @@ class Pass:
         raise NotImplementedError
 
 
+class DumpPass(Pass):
+    """A pass whose product is a report written to `unit.out`; the tool then prints no IR after it."""
+
+    def run(self, unit: CompilationUnit) -> None:
+        self.dump(unit)
+        unit.dumped = True
+
+    def dump(self, unit: CompilationUnit) -> None:
+        raise NotImplementedError
+
+
 PASSES: dict[str, type[Pass]] = {}
 
 

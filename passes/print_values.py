@@ -24,6 +24,12 @@ from .manager import CompilationUnit, Pass, register_pass
 @register_pass
 @define
 class PrintValuesPass(Pass):
+    """Writes each top-level form's value as `sexpgpu eval` prints it.
+
+    Guarantees: the output is byte for byte what `sexpgpu eval` prints for
+    the same file and selection; the unit is unchanged.
+    """
+
     name: ClassVar[str] = "print-values"
     summary: ClassVar[str] = "dump every top-level form's value, one per line (the eval verb)"
 

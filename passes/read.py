@@ -15,6 +15,12 @@ from .manager import CompilationUnit, Pass, register_pass
 @register_pass
 @define
 class ReadPass(Pass):
+    """Reads the unit's text (or its file) into `unit.forms`.
+
+    Guarantees: `unit.forms` holds every top-level datum in file order, each
+    located by `unit.forms.locs`.
+    """
+
     name: ClassVar[str] = "read"
     summary: ClassVar[str] = "read the .sx source into located forms"
 

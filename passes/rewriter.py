@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-from sexpgpu.dialects.core import REGISTRY, Block, Operation, TensorType, Value
+from sexpgpu.dialects.core import Block, Builder, Operation, TensorType, Value
 from sexpgpu.passes.dce import is_trivially_dead
 
 from sexpgpu.diagnostics import Location
@@ -58,18 +58,13 @@ class PatternRewriter:
         loc: Location | None = None,
     ) -> Operation:
         """Create an op before the current one (types inferred unless given); it joins the worklist."""
-        if self.current is None:
+        anchor = self.current
+        if anchor is None:
             raise RuntimeError("PatternRewriter.create outside a rewrite")
-        if result_types is None:
-            opdef = REGISTRY.lookup(name)
-            if opdef is None:
-                raise ValueError(f"unknown op {name}")
-            inferred = opdef.infer([v.type for v in operands], dict(attributes or {}))
-            if inferred is None:
-                raise ValueError(f"{name} needs explicit result types")
-            result_types = inferred
-        op = Operation.create(name, operands, result_types, attributes, loc=loc)
-        self.insert_op_before(op, self.current)
+        if anchor.parent is None:
+            raise ValueError(f"cannot insert before {anchor.name}: it is in no block")
+        op = Builder(anchor.parent, anchor=anchor).create(name, operands, attributes, result_types, loc)
+        self._driver.push(op)
         return op
 
     def insert_op_before(self, op: Operation, anchor: Operation) -> None:

@@ -102,7 +102,11 @@ def strip_observations(func: Operation) -> None:
 @register_pass
 @define
 class Accumulate(Pass):
-    """Adds `@train_accumulating`, which adds its fresh gradients into the previous ones."""
+    """Adds `@train_accumulating`, which adds its fresh gradients into the previous ones.
+
+    Guarantees: `@train` is unchanged; each `grad/<path>` output of the clone is
+    its `grad/<path>` input plus what `@train` returns for it; other outputs match `@train`'s.
+    """
 
     name = "accumulate"
     summary = "clone @train into @train_accumulating, adding previous gradients (inputs grad/<path>)"
@@ -134,7 +138,11 @@ def build_accumulating(module: Operation, train: Operation) -> Operation:
 @register_pass
 @define
 class Stack(Pass):
-    """Adds `@train_stacked`: k microbatches in one graph (batch fields get a leading k)."""
+    """Adds `@train_stacked`: k microbatches in one graph (batch fields get a leading k).
+
+    Guarantees: `@train` is unchanged; `grad/<path>` is the sum of the k
+    microbatch gradients, the loss and metrics their mean, counters their sum.
+    """
 
     name = "stack"
     summary = "clone @train into @train_stacked running k microbatches (summed grads, mean loss and metrics)"
@@ -204,7 +212,12 @@ def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
 @register_pass
 @define
 class Diagnose(Pass):
-    """Strips observations from @train; adds `@train_diagnosed` with the enabled diagnostics' reductions."""
+    """Strips observations from @train; adds `@train_diagnosed` with the enabled diagnostics' reductions.
+
+    Guarantees: afterwards no graph has a raw `graph.observe` of the tracer;
+    `@train_diagnosed` (present when a diagnostic is enabled) emits one f32
+    scalar per enabled diagnostic and selected tensor.
+    """
 
     name = "diagnose"
     summary = "strip observations from @train; add @train_diagnosed emitting each diagnostic's scalar reductions"

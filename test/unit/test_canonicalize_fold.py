@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 import pytest
+from sexpgpu.dialects.graph_semantics import numpy_binary, numpy_unary
 from sexpgpu.passes.canonicalize import (
     _EXACT_ARITH,
     _EXACT_COMPARE,
     _EXACT_UNARY,
     _exact_f32_fold,
-    _numpy_ops,
 )
 
 EDGES = [0.0, -0.0, 1.0, -1.0, 0.1, 3.4e38, -3.4e38, 1e-45, 1.17e-38, 2.5e-39, 7.0, 1e30, 1e-30, math.inf, -math.inf,
@@ -28,7 +28,7 @@ def _samples() -> list[float]:
 
 
 def _numpy_f32(name: str, scalars: list[float]):
-    unary, binary = _numpy_ops()
+    unary, binary = numpy_unary(), numpy_binary()
     with np.errstate(all="ignore"):
         args = [np.float32(s) for s in scalars]
         out = unary[name](args[0]) if name in unary else binary[name](*args)
