@@ -186,7 +186,7 @@ class _Unary(OpDef):
     float_only: ClassVar[bool] = True
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         if cls.float_only and x.dtype not in FLOAT_DTYPES:
             raise ShapeError(f"'{cls.name}' needs a float operand, got {x.dtype}")
@@ -205,7 +205,7 @@ class _Binary(OpDef):
     num_operands = 2
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         _same_shape(cls.name, operands)
         _same_dtype(cls.name, operands)
         return [operands[0]]
@@ -221,7 +221,7 @@ class _Compare(OpDef):
     num_operands = 2
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         _same_shape(cls.name, operands)
         _same_dtype(cls.name, operands)
         return [operands[0].with_dtype("i1")]
@@ -241,7 +241,7 @@ class WhereOp(OpDef):
     num_operands = 3
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         c, a, b = operands
         if c.dtype != "i1":
             raise ShapeError(f"'graph.where' condition must be i1, got {c.dtype}")
@@ -261,7 +261,7 @@ class _Reduce(OpDef):
     required_attrs = ("axes", "keep")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         axes = attrs["axes"]
         if list(axes) != normalize_axes(axes, x.rank):
@@ -289,7 +289,7 @@ class ReshapeOp(OpDef):
     required_attrs = ("shape",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         shape = list(attrs["shape"])
         target = TensorType(shape, x.dtype)
@@ -308,7 +308,7 @@ class TransposeOp(OpDef):
     required_attrs = ("perm",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         perm = list(attrs["perm"])
         if sorted(perm) != list(range(x.rank)):
@@ -326,7 +326,7 @@ class BroadcastOp(OpDef):
     required_attrs = ("shape",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         shape = tuple(attrs["shape"])
         if len(shape) < x.rank or broadcast_shapes(x.shape, shape) != shape:
@@ -344,7 +344,7 @@ class SliceOp(OpDef):
     required_attrs = ("axis", "start", "end")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         axis = attrs["axis"]
         if not 0 <= axis < x.rank:
@@ -367,7 +367,7 @@ class PadOp(OpDef):
     required_attrs = ("axis", "before", "after")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         axis = attrs["axis"]
         if not 0 <= axis < x.rank or attrs["before"] < 0 or attrs["after"] < 0:
@@ -385,7 +385,7 @@ class ConcatOp(OpDef):
     required_attrs = ("axis",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         if not operands:
             raise ShapeError("'graph.concat' needs at least one operand")
         axis = attrs["axis"]
@@ -411,7 +411,7 @@ class SqueezeOp(OpDef):
     required_attrs = ("axis",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         axis = attrs["axis"]
         if not 0 <= axis < x.rank or x.shape[axis] != 1:
@@ -427,7 +427,7 @@ class ExpandDimsOp(OpDef):
     required_attrs = ("axis",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         axis = attrs["axis"]
         if not 0 <= axis <= x.rank:
@@ -447,7 +447,7 @@ class MatmulOp(OpDef):
     num_operands = 2
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         a, b = operands
         _same_dtype(cls.name, operands)
         if a.rank < 2 or b.rank < 2:
@@ -481,7 +481,7 @@ class TakeOp(OpDef):
     required_attrs = ("axis",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         x, idx = operands
         _int_index(cls.name, idx)
         axis = attrs["axis"]
@@ -500,7 +500,7 @@ class TakeAlongOp(OpDef):
     required_attrs = ("axis",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         x, idx = operands
         _int_index(cls.name, idx)
         axis = attrs["axis"]
@@ -522,7 +522,7 @@ class ScatterAddOp(OpDef):
     required_attrs = ("axis", "dim")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         idx, upd = operands
         _int_index(cls.name, idx)
         axis = attrs["axis"]
@@ -541,7 +541,7 @@ class ScatterAddAlongOp(OpDef):
     required_attrs = ("axis", "dim")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         idx, upd = operands
         _int_index(cls.name, idx)
         if idx.shape != upd.shape:
@@ -559,7 +559,7 @@ class OneHotOp(OpDef):
     required_attrs = ("n",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (idx,) = operands
         _int_index(cls.name, idx)
         return [TensorType(idx.shape + (attrs["n"],), "f32")]
@@ -575,7 +575,7 @@ class IotaOp(OpDef):
     required_attrs = ("shape", "axis")
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         shape = tuple(attrs["shape"])
         if not 0 <= attrs["axis"] < len(shape):
             raise ShapeError(f"iota axis {attrs['axis']} is out of range for {show_shape(shape)}")
@@ -593,7 +593,7 @@ class CastOp(OpDef):
     required_attrs = ("dtype",)
 
     @classmethod
-    def infer(cls, operands, attrs):
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
         if attrs["dtype"] not in DTYPES:
             raise ShapeError(f"unknown dtype {attrs['dtype']}")
@@ -615,7 +615,7 @@ class MetricOp(_Emit):
     name = "graph.metric"
 
     @classmethod
-    def verify(cls, op):
+    def verify(cls, op: Operation) -> None:
         super().verify(op)
         if op.operands[0].type.rank != 0:
             raise VerifyError(f"metric {op.attributes['name']} must be a scalar, got {op.operands[0].type}", op)

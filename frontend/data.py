@@ -180,11 +180,6 @@ def element_loc(container: object, index: int) -> Location | None:
     return getattr(container, "loc", None)
 
 
-def is_list(value: object) -> bool:
-    """A list value: a read or built list (not a vector). nil counts as the empty list."""
-    return value is None or (isinstance(value, list) and not isinstance(value, (SxVector, SxMap)))
-
-
 class TensorLike:
     """Base class of tensor values (defined by the tracing layer).
 

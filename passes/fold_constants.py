@@ -97,6 +97,7 @@ def fold_graph(func: Operation) -> int:
     return folded
 
 
+@register_pass
 @define
 class FoldConstants(Pass):
     """Folds constant subexpressions of update/clip graphs to splat consts; sets `constants` on exp.group.
@@ -125,5 +126,3 @@ class FoldConstants(Pass):
             if group.name == "exp.group":
                 group.attributes["constants"] = sorted(constants.get(group.attributes["name"], ()))
 
-
-register_pass(FoldConstants)

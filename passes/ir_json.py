@@ -217,9 +217,6 @@ class _GraphEncoder:
             self.locs[id(loc)] = text
         return text
 
-    def op_line(self, op: Operation) -> str:
-        return next(self.op_lines([op]))
-
     def op_lines(self, ops: Iterator[Operation]) -> Iterator[str]:
         """Each op's line, made from pieces cached by op name, type and location (the hot loop of `ir`)."""
         ids = self.ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from typing import TextIO
 
 from attrs import frozen
 
@@ -138,7 +139,7 @@ def render_diagnostic(
     return "\n".join(out)
 
 
-def warn(message: str, loc: Location | None = None, stream=None) -> None:
+def warn(message: str, loc: Location | None = None, stream: TextIO | None = None) -> None:
     print(render_diagnostic("warning", message, loc), file=stream or sys.stderr)
 
 
