@@ -26,21 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+from sexpgpu.dialects.graph_semantics import numpy_dtypes
 
 from sexpgpu.diagnostics import Location, SxError
 
-#: Field dtypes of the language → numpy dtypes.
-FIELD_DTYPES: dict[str, Any] = {
-    "f32": np.float32,
-    "bf16": ml_dtypes.bfloat16,
-    "f16": np.float16,
-    "i32": np.int32,
-    "i64": np.int64,
-    "bool": np.bool_,
-    "i1": np.bool_,
-}
+#: Field dtypes of the language → numpy dtypes: the dialect's, and `bool` for `i1`.
+FIELD_DTYPES: dict[str, Any] = {**numpy_dtypes(), "bool": np.bool_}
 
 #: Element types a `token-file` may hold (`:dtype`), little-endian.
 TOKEN_FILE_DTYPES = {"u16": "<u2", "uint16": "<u2", "u32": "<u4", "uint32": "<u4"}

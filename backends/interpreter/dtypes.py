@@ -9,18 +9,12 @@ so finite differences are precise.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 from sexpgpu.dialects.core import FLOAT_DTYPES
+from sexpgpu.dialects.graph_semantics import numpy_dtypes
 
-_STORAGE = {
-    "f32": np.dtype(np.float32),
-    "bf16": np.dtype(ml_dtypes.bfloat16),
-    "f16": np.dtype(np.float16),
-    "i32": np.dtype(np.int32),
-    "i64": np.dtype(np.int64),
-    "i1": np.dtype(np.bool_),
-}
+#: The dialect dtypes' numpy dtypes (one table, shared with the folding passes).
+_STORAGE = {name: np.dtype(scalar) for name, scalar in numpy_dtypes().items()}
 
 #: Values for `compile_graph(..., float_mode=...)`.
 FLOAT_MODES = ("native", "f64")

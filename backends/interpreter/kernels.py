@@ -21,6 +21,7 @@ from attrs import frozen
 from sexpgpu.backends.interpreter.dtypes import DtypePolicy
 from sexpgpu.backends.interpreter.erf import erf, erf_f32
 from sexpgpu.dialects.core import Operation
+from sexpgpu.dialects.graph_semantics import numpy_binary, numpy_unary
 
 
 @frozen
@@ -97,25 +98,14 @@ def _erf(x: Any, out: Any = None) -> Any:
     return erf_f32(x, out=out)
 
 
-_UNARY: dict[str, tuple[Callable[..., Any], bool]] = {
-    "graph.neg": (np.negative, True),
-    "graph.exp": (np.exp, True),
-    "graph.log": (np.log, True),
-    "graph.sqrt": (np.sqrt, True),
-    "graph.rsqrt": (_rsqrt, True),
-    "graph.tanh": (np.tanh, True),
-    "graph.erf": (_erf, True),
-    "graph.abs": (np.abs, True),
-    "graph.recip": (np.reciprocal, True),
-    "graph.sin": (np.sin, True),
-    "graph.cos": (np.cos, True),
-}
+#: The shared semantics (`dialects.graph_semantics`), with the interpreter's own rsqrt (writing
+#: `out=`) and erf (vectorized: the shared one takes a scalar). Every unary kernel takes `out=`.
+_UNARY: dict[str, Callable[..., Any]] = {**numpy_unary(), "graph.rsqrt": _rsqrt, "graph.erf": _erf}
 
 
 @_builds(*_UNARY)
 def _unary(op: Operation, policy: DtypePolicy) -> Kernel:
-    fn, takes_out = _UNARY[op.name]
-    return _arith(op, policy, fn, takes_out, op.operands[0].type.dtype)
+    return _arith(op, policy, _UNARY[op.name], True, op.operands[0].type.dtype)
 
 
 def _truncating_div(a: Any, b: Any) -> Any:
@@ -123,21 +113,8 @@ def _truncating_div(a: Any, b: Any) -> Any:
     return (a - np.fmod(a, b)) // b
 
 
-_BINARY: dict[str, Callable[..., Any]] = {
-    "graph.add": np.add,
-    "graph.sub": np.subtract,
-    "graph.mul": np.multiply,
-    "graph.div": np.divide,
-    "graph.pow": np.power,
-    "graph.maximum": np.maximum,
-    "graph.minimum": np.minimum,
-    "graph.eq": np.equal,
-    "graph.ne": np.not_equal,
-    "graph.lt": np.less,
-    "graph.le": np.less_equal,
-    "graph.gt": np.greater,
-    "graph.ge": np.greater_equal,
-}
+#: Arithmetic and compares, as the shared semantics compute them (integer `div` aside: `_binary`).
+_BINARY: dict[str, Callable[..., Any]] = numpy_binary()
 
 
 @_builds(*_BINARY)
