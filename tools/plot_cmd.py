@@ -47,6 +47,10 @@ def plot(run_dir: Path, output: Path) -> Path:
     log = run_dir / "events.jsonl"
     if not log.is_file():
         raise SxError(f"{display_path(str(run_dir))} is not a run record: it has no events.jsonl")
+    # The record is checked before matplotlib is needed, so a bad record is reported either way.
+    series = metric_series(read_events(log))
+    if not series:
+        raise SxError(f"{display_path(str(log))} holds no metrics yet")
     try:
         import matplotlib
 
@@ -54,9 +58,6 @@ def plot(run_dir: Path, output: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SxError("sexpgpu plot needs matplotlib; install it with: pip install 'sexpgpu[plot]'") from None
-    series = metric_series(read_events(log))
-    if not series:
-        raise SxError(f"{display_path(str(log))} holds no metrics yet")
     panels: dict[str, list[str]] = {}
     for name in series:
         panels.setdefault(panel_of(name), []).append(name)
