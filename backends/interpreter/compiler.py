@@ -220,6 +220,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     scalars = _scalar_splats(ops, users)
     implicit = _implicit_broadcasts(ops, users, scalars)
     summed = _batch_summed_matmuls(ops, users, policy)
+    transposed_stores = _transposed_matmuls(ops, users, policy)
     registers: dict[Any, int] = {}
     direct_outputs = _direct_outputs(ops, plan, policy)
     direct: list[tuple[str, int, tuple[int, ...], np.dtype, tuple[int, ...]]] = []
@@ -295,7 +296,16 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             kernel = kernel_for(op, policy)
             args = tuple(registers[v] for v in op.operands)
             dst = register(op.result)
-            buffer = plan.buffer_for(op.result, policy) if kernel.takes_out else None
+            buffer = None
+            if op in transposed_stores:
+                # Stored in the layout of its transpose (the next reader): that transpose, and a
+                # reshape merging its axes (attention's merge of heads), are views, not copies.
+                perm = transposed_stores[op]
+                stored = plan.buffer_for(op.result, policy, shape=tuple(op.result.type.shape[i] for i in perm))
+                if stored is not None:
+                    buffer = stored.transpose(np.argsort(perm))
+            elif kernel.takes_out:
+                buffer = plan.buffer_for(op.result, policy)
             slot = (direct_register(op.result, position, op.family in IN_PLACE_FAMILIES)
                     if kernel.takes_out and len(args) <= 2 else None)
             steps.append(_compute_step(kernel.fn, args, dst, buffer, slot))
@@ -477,6 +487,24 @@ def _batch_summed_matmuls(ops: list[Operation], users: dict[Value, list[Operatio
     return fused
 
 
+def _transposed_matmuls(ops: list[Operation], users: dict[Value, list[Operation]],
+                        policy: DtypePolicy) -> dict[Operation, tuple[int, ...]]:
+    """Batched matmuls (both operands with batch axes: numpy runs one gemm per batch element)
+    whose only reader is a transpose keeping the last axis last, mapped to its permutation: each
+    gemm may write its rows into that transpose's layout, as BLAS writes rows at any stride."""
+    stores = {}
+    for op in ops:
+        if op.name != "graph.matmul" or any(v.type.rank < 3 for v in op.operands):
+            continue
+        readers = users.get(op.result, [])
+        if len(readers) != 1 or readers[0].name != "graph.transpose" or policy.rounds(op.result.type.dtype):
+            continue
+        perm = tuple(readers[0].attributes["perm"])
+        if perm[-1] == len(perm) - 1 and perm != tuple(range(len(perm))):
+            stores[op] = perm
+    return stores
+
+
 def _direct_outputs(ops: list[Operation], plan: _MemoryPlan, policy: DtypePolicy) -> dict[Value, str]:
     """Outputs a kernel may write straight into a caller's array: returned once, emitted never,
     neither a view nor an input or constant, in a dtype computed natively."""
@@ -626,8 +654,10 @@ class _MemoryPlan:
     def released_after(self, position: int) -> list[Value]:
         return self._releases.get(position, [])
 
-    def buffer_for(self, value: Value, policy: DtypePolicy, in_place: bool | None = None) -> np.ndarray | None:
+    def buffer_for(self, value: Value, policy: DtypePolicy, in_place: bool | None = None,
+                   shape: tuple[int, ...] | None = None) -> np.ndarray | None:
         """A reused buffer for the result of an op taking `out=`, or None when it must be fresh.
+        `shape`: the buffer's, when the op writes a view of it (of the value's shape, permuted).
 
         Called in op order. Buffers of storage that dies at this op are freed
         first when the op is elementwise (so it may update in place), after
@@ -641,7 +671,7 @@ class _MemoryPlan:
             self._free_dying(position)
         buffer = None
         if value not in self.escaping:
-            key = (value.type.shape, policy.storage(value.type.dtype))
+            key = (shape or value.type.shape, policy.storage(value.type.dtype))
             pool = self._free.get(key)
             buffer = pool.pop() if pool else self._allocate(*key)
             self.buffered_values += 1
@@ -657,5 +687,5 @@ class _MemoryPlan:
 
     def _free_dying(self, position: int) -> None:
         for ended in [p for p in self._held if p <= position]:
-            for value, buffer in self._held.pop(ended):
-                self._free.setdefault((value.type.shape, buffer.dtype), []).append(buffer)
+            for _value, buffer in self._held.pop(ended):
+                self._free.setdefault((buffer.shape, buffer.dtype), []).append(buffer)

@@ -357,3 +357,32 @@ def test_summed_pads_fuse_bit_identically(seed, monkeypatch):
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
     assert np.signbit(got["sum"]).sum() == np.signbit(want["sum"]).sum()
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_attention_matmuls_transposed_operands_and_stores(returned):
+    """Stacked matmuls with a column-major right side (kᵀ, copied to a row-major scratch first) and
+    a product stored in its transpose's layout (so merging the heads is a view): numpy's values,
+    also when the transposed product escapes (then it is stored as usual)."""
+    x, y, v = f32(2, 5, 3, 4), f32(2, 5, 3, 4), f32(2, 3, 5, 4)
+
+    def body(g):
+        q = g.transpose(g.inputs["x"], perm=[0, 2, 1, 3])
+        k = g.transpose(g.inputs["y"], perm=[0, 2, 3, 1])
+        s = g.matmul(q, k)
+        heads = g.transpose(g.matmul(g.exp(s), g.inputs["v"]), perm=[0, 2, 1, 3])
+        out = {"s": g.neg(s), "merged": g.reshape(heads, shape=[2, 5, 12])}
+        return {**out, "heads": heads} if returned else out
+
+    graph = compile_graph(make_func({"x": ((2, 5, 3, 4), "f32"), "y": ((2, 5, 3, 4), "f32"),
+                                     "v": ((2, 3, 5, 4), "f32")}, body))
+    q, k = x.astype(np.float64).transpose(0, 2, 1, 3), y.astype(np.float64).transpose(0, 2, 3, 1)
+    s = q @ k
+    heads = (np.exp(s) @ v).transpose(0, 2, 1, 3)
+    s, heads = s.astype(np.float32), heads.astype(np.float32)
+    for _ in range(2):  # the scratch and the reused buffers hold stale values on the second call
+        got = graph({"x": x, "y": y, "v": v}).outputs
+        close(got["s"], -s, rtol=1e-5)
+        close(got["merged"], heads.reshape(2, 5, 12), rtol=1e-5)
+        if returned:
+            close(got["heads"], heads, rtol=1e-5)
