@@ -101,33 +101,21 @@ _F32_SATURATION = 4.0
 _BLOCK = 1 << 15
 
 
-def _erf_rational(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """erf by the rational x·P(x²)/Q(x²) evaluated in float64, as float32 (into `out` if given).
-
-    NaN stays NaN (clip keeps it); ±inf saturate to ±1.
-    """
-    x = np.asarray(x)
-    if out is None or not out.flags.c_contiguous:
-        out = np.empty(x.shape, np.float32)
-    flat_in = x.reshape(-1)
-    flat_out = out.reshape(-1)
-    size = flat_in.size
-    t = np.empty(min(size, _BLOCK), np.float64)
-    x2 = np.empty_like(t)
-    p = np.empty_like(t)
-    q = np.empty_like(t)
-    for start in range(0, size, _BLOCK):
-        stop = min(start + _BLOCK, size)
-        n = stop - start
-        tb, x2b, pb, qb = t[:n], x2[:n], p[:n], q[:n]
-        np.clip(flat_in[start:stop], -_F32_SATURATION, _F32_SATURATION, out=tb)
-        np.multiply(tb, tb, out=x2b)
-        _horner(x2b, _P, pb)
-        _horner(x2b, _Q, qb)
-        pb *= tb
-        np.divide(pb, qb, out=pb)
-        flat_out[start:stop] = pb
-    return out
+def _erf_rational(x: np.ndarray, out: np.ndarray, scratch: list[np.ndarray]) -> None:
+    """erf of a 1-d block (at most _BLOCK elements) by the rational x·P(x²)/Q(x²) evaluated in
+    float64, rounded once into the float32 `out`. `scratch`: four float64 arrays of _BLOCK
+    elements, made on first use. NaN stays NaN (clip keeps it); ±inf saturate to ±1."""
+    if not scratch:
+        scratch.extend(np.empty(_BLOCK, np.float64) for _ in range(4))
+    n = x.size
+    t, x2, p, q = (a[:n] for a in scratch)
+    np.clip(x, -_F32_SATURATION, _F32_SATURATION, out=t)
+    np.multiply(t, t, out=x2)
+    _horner(x2, _P, p)
+    _horner(x2, _Q, q)
+    p *= t
+    np.divide(p, q, out=p)
+    out[...] = p
 
 
 #: Where the float32 polynomial hands over to the rational (fdlibm's `erff` splits there too).
@@ -170,6 +158,7 @@ def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     u = np.empty(min(size, _BLOCK), np.float32)
     y = np.empty_like(u)
     large = np.empty(u.shape, np.bool_)
+    scratch: list[np.ndarray] = []
     for start in range(0, size, _BLOCK):
         stop = min(start + _BLOCK, size)
         n = stop - start
@@ -180,7 +169,7 @@ def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         count = np.count_nonzero(lb)
         if count > n // 8:
             # Mostly large: the whole block through the rational (cheaper than gathering).
-            _erf_rational(xb, out=ob)
+            _erf_rational(xb, ob, scratch)
             continue
         with np.errstate(over="ignore", invalid="ignore"):  # the large ones are replaced below
             np.square(xb, out=ub)
@@ -189,7 +178,9 @@ def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
             np.add(yb, xb, out=ob)
         if count:
             where = np.flatnonzero(lb)
-            ob[where] = _erf_rational(xb[where])
+            picked = yb[: where.size]
+            _erf_rational(xb[where], picked, scratch)
+            ob[where] = picked
     return out
 
 
