@@ -159,6 +159,7 @@ def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     u = np.empty(min(size, _BLOCK), np.float32)
     y = np.empty_like(u)
     large = np.empty(u.shape, np.bool_)
+    mask = np.empty(u.shape, np.int32)
     scratch: list[np.ndarray] = []
     for start in range(0, size, _BLOCK):
         stop = min(start + _BLOCK, size)
@@ -170,14 +171,23 @@ def erf_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
             # ±inf is caught, and a few just below) go through the rational; NaN compares false.
             np.greater_equal(ub, _SMALL * _SMALL, out=lb)
             count = np.count_nonzero(lb)
-            if count > n // 8:
-                # Mostly large: the whole block through the rational (cheaper than gathering).
-                _erf_rational(xb, ob, scratch)
-                continue
             _horner(ub, _Y, yb)
             yb *= xb
             np.add(yb, xb, out=ob)
-        if count:
+        if count > n // 2:
+            # Mostly large: the rational over the whole block, its bits kept where large by an
+            # and/or with a -1/0 mask (copyto(where=) and np.where cost 4-7 times as much, and
+            # gathering most of the block more). Either way each element takes the path of its
+            # own value, whatever else is in its block.
+            _erf_rational(xb, yb, scratch)
+            mb = mask[:n]
+            np.subtract(0, lb, out=mb, dtype=np.int32)
+            ints, outs = yb.view(np.int32), ob.view(np.int32)
+            np.bitwise_and(ints, mb, out=ints)
+            np.invert(mb, out=mb)
+            np.bitwise_and(outs, mb, out=outs)
+            np.bitwise_or(outs, ints, out=outs)
+        elif count:
             where = np.flatnonzero(lb)
             picked = yb[: where.size]
             _erf_rational(xb[where], picked, scratch)

@@ -69,6 +69,19 @@ def test_erf_f32_within_two_ulps(scale):
     np.testing.assert_array_equal(got[1:3], [1.0, -1.0])
 
 
+def test_erf_f32_of_an_element_does_not_depend_on_the_others():
+    """Blocks with few, some and mostly large arguments take different routes (polynomial only,
+    gathered rational, masked rational): each element's bits are the same in all of them."""
+    x = (np.random.default_rng(3).standard_normal(2000) * 0.6).astype(np.float32)
+    want = erf_f32(x)
+    for filler in (0.1, 2.0):
+        for share in (0.0, 0.3, 0.9):
+            mixed = np.concatenate([x, np.full(int(len(x) * share / (1 - share + 1e-9)), filler, np.float32)])
+            assert erf_f32(mixed)[: len(x)].tobytes() == want.tobytes(), (filler, share)
+    for value in x[:50]:
+        assert erf_f32(np.array([value])).tobytes() == erf_f32(x)[x == value][:1].tobytes()
+
+
 BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
     "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
