@@ -12,10 +12,19 @@ from sexpgpu.diagnostics import SxError, UsageError
 ISSUES_URL = "the sexpgpu issue tracker"
 
 
+def knob_assignment(text: str) -> str:
+    """`--set` takes KNOB=VALUE; anything else is a wrong command line (exit 2), not an experiment error."""
+    name, eq, _ = text.partition("=")
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected KNOB=VALUE, got '{text}'")
+    return text
+
+
 def add_selection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", metavar="NAME", help="select a variant defined with defvariant")
     parser.add_argument(
-        "--set", dest="set", action="append", default=[], metavar="KNOB=VALUE", help="override a knob (repeatable)"
+        "--set", dest="set", action="append", default=[], type=knob_assignment, metavar="KNOB=VALUE",
+        help="override a knob (repeatable)",
     )
 
 
