@@ -1,14 +1,18 @@
 """CPU training throughput: sexpgpu's interpreter against PyTorch eager on the same model and batch.
 
-    python benchmarks/cpu_train.py [--steps 10] [--threads 2] [--set KNOB=VALUE ...]
+    python benchmarks/cpu_train.py [--example examples/gpt.sx] [--variant smoke] [--steps 10]
+                                   [--threads N] [--set KNOB=VALUE ...]
 
-Trains `examples/tiny-gpt.sx` (the spec GPT: prelude modules, AdamW, clip)
-for a few steps with sexpgpu's training driver, then the same model from the
-same parameters on the same batches in PyTorch eager, both in this process
-with the same number of threads. Prints tokens/s of each and their ratio, the
-per-op time profile of one interpreter train step (which ops dominate, by op
-name and by the model code that made them, with the prelude line it went
-through) and the peak RSS of the sexpgpu steps (measured before torch loads). Each step's time
+By default trains the spec GPT, `examples/gpt.sx --variant smoke` (batch 4,
+4 microbatches, 1040 tokens per step; `--example examples/tiny-gpt.sx
+--variant none` measures tiny-gpt: batch 16, one microbatch), for a few steps
+with sexpgpu's training driver, then the same model from the same parameters
+on the same batches (the same microbatches per step) in PyTorch eager, both in
+this process with the same number of threads (default: the machine's cores).
+Prints tokens/s of each and their ratio, the per-op time profile of the train
+graph calls of one step (which ops dominate, by op name and by the model code
+that made them, with the prelude line it went through) and the peak RSS of the
+sexpgpu steps (measured before torch loads). Each step's time
 is the median over the timed steps (after one warm-up step), so one
 scheduling hiccup on a shared machine does not move the figure; the process
 CPU time of each step is shown too (with one thread it barely depends on
@@ -27,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "tiny-gpt.sx"
+EXAMPLE = ROOT / "examples" / "gpt.sx"
 
 
 def set_threads(threads: int) -> None:
@@ -48,29 +52,36 @@ def timed_steps(step_fn, steps: int) -> tuple[list[float], list[float]]:
 
 
 def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, float], float]:
-    """CPU seconds per op name and per source line for one call of the train graph, op by op.
+    """CPU seconds per op name and per source line for the train graph calls of one step, op by op.
 
-    Runs the compiled train graph step by step (`CompiledGraph.profile`: the
+    Runs the compiled train graph (and, with microbatches, `train_accumulating`
+    once per further microbatch) step by step (`CompiledGraph.profile`: the
     same kernels, reused buffers and fused contractions as a real call), timing
     each step in process CPU time, the median over `repeats` calls per op; a
     fused matmul-and-sum counts as a matmul, a fused sum of pads as "add+pad",
     an implicit broadcast as almost nothing.
     """
-    graph = trainer.train
-    inputs = trainer._inputs(graph, trainer.train_loader.batch_at(0))
-    runs = [graph.profile(inputs, time.process_time) for _ in range(repeats)]
     by_op: dict[str, float] = defaultdict(float)
     by_line: dict[str, float] = defaultdict(float)
-    for index, (op, _) in enumerate(runs[0]):
-        elapsed = statistics.median(run[index][1] for run in runs)
-        fused = graph.fused_ops.get(op)
-        name = "+".join(sorted({o.name.removeprefix("graph.") for o in fused})) if fused else op.name.removeprefix("graph.")
-        by_op[name] += elapsed
-        where = "unknown"
-        if op.loc is not None:
-            via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""
-            where = op.loc.short() + via
-        by_line[where] += elapsed
+    batch = trainer.train_loader.batch_at(0)
+    calls = [(trainer.train, 1)]
+    if trainer.train_accumulating is not None:
+        calls.append((trainer.train_accumulating, trainer.exp.microbatches - 1))
+    grads = {name: value.copy() for name, value in trainer.train(trainer._inputs(trainer.train, batch)).outputs.items()
+             if name.startswith("grad/")}
+    for graph, times in calls:
+        inputs = trainer._inputs(graph, batch, grads)
+        runs = [graph.profile(inputs, time.process_time) for _ in range(repeats)]
+        for index, (op, _) in enumerate(runs[0]):
+            elapsed = times * statistics.median(run[index][1] for run in runs)
+            fused = graph.fused_ops.get(op)
+            name = "+".join(sorted({o.name.removeprefix("graph.") for o in fused})) if fused else op.name.removeprefix("graph.")
+            by_op[name] += elapsed
+            where = "unknown"
+            if op.loc is not None:
+                via = f" via {Path(op.loc.via.file).name}:{op.loc.via.line}" if op.loc.via else ""
+                where = op.loc.short() + via
+            by_line[where] += elapsed
     total = sum(by_op.values())
     return dict(by_op), dict(by_line), total
 
@@ -83,13 +94,17 @@ def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> t
 
     torch.set_num_threads(threads)
     model = TorchGPT.from_experiment(exp, trainer_params)
-    return timed_steps(lambda step: model.train_step(loader.next_batch()["tokens"], step), steps)
+    return timed_steps(
+        lambda step: model.train_step([loader.next_batch()["tokens"] for _ in range(exp.microbatches)], step), steps)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    parser.add_argument("--example", default=str(EXAMPLE), help="the experiment (default: examples/gpt.sx)")
+    parser.add_argument("--variant", default="smoke", help="its variant (default: smoke; 'none' for none)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)),
+                        help="BLAS and torch threads of both sides (default: the machine's cores)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE")
     args = parser.parse_args()
     set_threads(args.threads)
@@ -97,7 +112,8 @@ def main() -> int:
     from sexpgpu.backends.loaders import Loader
     from sexpgpu.backends.training import Experiment, Trainer
 
-    exp = Experiment(str(EXAMPLE), None, args.sets)
+    variant = None if args.variant == "none" else args.variant
+    exp = Experiment(args.example, variant, args.sets)
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None)
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()
@@ -105,8 +121,10 @@ def main() -> int:
     ours, ours_cpu = statistics.median(walls), statistics.median(cpus)
     # The peak so far is the training driver's alone: torch and the op-by-op profile come later.
     training_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"model: examples/tiny-gpt.sx {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
-          f"{tokens} tokens per step, {args.threads} threads)")
+    name = os.path.relpath(args.example, ROOT) + (f" --variant {variant}" if variant else "")
+    print(f"model: {name} {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
+          f"{tokens} tokens per step, batch {trainer.train_loader.batch} x {exp.microbatches} microbatches, "
+          f"{args.threads} threads)")
     print(f"sexpgpu interpreter  {tokens / ours:12,.0f} tokens/s  ({ours * 1000:.1f} ms per step, "
           f"{ours_cpu * 1000:.1f} ms CPU)")
     try:
@@ -122,7 +140,8 @@ def main() -> int:
         print(f"ratio sexpgpu/torch  {theirs / ours:.3f}  (by CPU time {theirs_cpu / ours_cpu:.3f})")
 
     by_op, by_line, total = op_profile(trainer)
-    print(f"\ninterpreter profile of one train graph call, op by op ({total * 1000:.1f} ms CPU):")
+    calls = f"train + {exp.microbatches - 1} x train_accumulating" if exp.microbatches > 1 else "train"
+    print(f"\ninterpreter profile of one step's graph calls ({calls}), op by op ({total * 1000:.1f} ms CPU):")
     for name, seconds in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name:16} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
     print("by the source line that made the ops:")

@@ -38,27 +38,32 @@ def schedule_lr(spec: Any, step: int) -> float:
 
 
 class TorchGPT:
-    """The tiny-gpt model and its optimizer over a dict of parameters named by sexpgpu's paths."""
+    """The tiny-gpt (or gpt.sx) model and its optimizers over a dict of parameters named by sexpgpu's paths."""
 
-    def __init__(self, params: dict[str, np.ndarray], heads: int, group: dict[str, Any]) -> None:
+    def __init__(self, params: dict[str, np.ndarray], heads: int, groups: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.params = {path: torch.tensor(np.array(value), requires_grad=True) for path, value in params.items()}
         self.heads = heads
         self.layers = len({p.split(".")[2] for p in params if p.startswith("model.blocks.")})
-        hyper = group["hyper"]
-        self.lr = hyper["lr"]
-        self.clip = group.get("clip")
-        self.optimizer = torch.optim.AdamW(
-            list(self.params.values()), lr=schedule_lr(self.lr, 1), betas=tuple(hyper["betas"]), eps=hyper["eps"],
-            weight_decay=hyper["weight_decay"], foreach=False,
-        )
+        if isinstance(groups, dict):
+            groups = [groups]
+        # One torch parameter group per optimizer group (a lone group without `members` takes every parameter).
+        torch_groups = []
+        #: per group: (its learning-rate spec, its clip or None, its parameters)
+        self.groups: list[tuple[Any, Any, list[torch.Tensor]]] = []
+        for group in groups:
+            hyper = group["hyper"]
+            members = [self.params[m] for m in group["members"]] if "members" in group else list(self.params.values())
+            self.groups.append((hyper["lr"], group.get("clip"), members))
+            torch_groups.append({"params": members, "lr": schedule_lr(hyper["lr"], 1), "betas": tuple(hyper["betas"]),
+                                 "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]})
+        self.optimizer = torch.optim.AdamW(torch_groups, foreach=False)
 
     @classmethod
     def from_experiment(cls, exp: Any, params: dict[str, np.ndarray]) -> TorchGPT:
-        """From a compiled `backends.training.Experiment` of tiny-gpt.sx (one optimizer group)."""
+        """From a compiled `backends.training.Experiment` of tiny-gpt.sx or gpt.sx (any number of optimizer groups)."""
         groups = [op.attributes for op in exp.module.body.ops if op.name == "exp.group"]
-        assert len(groups) == 1, "the reference model takes one optimizer group"
         heads = int(exp.knobs()["heads"][0])
-        return cls(params, heads, groups[0])
+        return cls(params, heads, groups)
 
     def _linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.params[f"{prefix}.weight"]
@@ -103,9 +108,9 @@ class TorchGPT:
             loss = self.loss(tokens)
             (loss / len(microbatches)).backward()
             total += float(loss.detach())
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), float(self.clip), foreach=False)
-        for group in self.optimizer.param_groups:
-            group["lr"] = schedule_lr(self.lr, step)
+        for (lr, clip, members), group in zip(self.groups, self.optimizer.param_groups):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(members, float(clip), foreach=False)
+            group["lr"] = schedule_lr(lr, step)
         self.optimizer.step()
         return total / len(microbatches)

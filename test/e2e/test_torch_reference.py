@@ -19,6 +19,7 @@ from sexpgpu.backends.loaders import Loader  # noqa: E402
 from sexpgpu.backends.training import Experiment, Trainer  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.sx"
+SPEC_GPT = EXAMPLE.with_name("gpt.sx")
 STEPS = 20
 RELATIVE_TOLERANCE = 1e-4
 
@@ -39,3 +40,16 @@ def test_losses_match_pytorch(tmp_path, microbatches):
     for step, (a, b) in enumerate(zip(ours, theirs), 1):
         assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: sexpgpu {a}, torch {b}"
     assert ours[-1] < ours[0] - 0.3
+
+
+def test_spec_gpt_smoke_matches_pytorch(tmp_path):
+    """The spec's gpt.sx smoke variant (the benchmark's default): two optimizer groups, four microbatches."""
+    torch.set_num_threads(1)
+    exp = Experiment(str(SPEC_GPT), "smoke", [])
+    trainer = Trainer(exp, tmp_path, None)
+    model = TorchGPT.from_experiment(exp, trainer.params)
+    loader = Loader.from_op(exp.loader_ops[exp.train_loader_name])
+    for step in range(1, 6):
+        ours = trainer.train_step(step)[0]
+        theirs = model.train_step([loader.next_batch()["tokens"] for _ in range(exp.microbatches)], step)
+        assert abs(ours - theirs) <= RELATIVE_TOLERANCE * abs(theirs), f"step {step}: sexpgpu {ours}, torch {theirs}"
