@@ -716,7 +716,9 @@ def _defdiagnostic(env: Env, args: list, loc: Location | None) -> Shown:
     if name in exp.diagnostics:
         raise SxError(f"diagnostic {name} is defined twice", loc)
     when = opts.get("when", True)
-    diag = exp.diagnostics[name] = DiagnosticDef(name, of, reducer.name, every, when is not None and when is not False, loc)
+    if when is not None and not isinstance(when, bool):
+        raise SxError(f"{what}: :when must be true or false (a knob expression), got {show(when)}", locs["when"])
+    diag = exp.diagnostics[name] = DiagnosticDef(name, of, reducer.name, every, bool(when), loc)
     env.bind_global(name, diag)
     return Shown(name)
 
