@@ -372,8 +372,12 @@ class Trainer:
         assert grads is not None
         if self.exp.microbatches > 1:
             scale = np.float32(1.0 / self.exp.microbatches)
-            for value in grads.values():
-                value *= scale
+            # One multiply over the flat gradient array (the same float32 product per element) and one
+            # per gradient outside it.
+            self.flat_grads *= scale
+            for name, value in grads.items():
+                if name.removeprefix("grad/") not in self.flat_bounds:
+                    value *= scale
         for clip, max_norm in zip(self.clips, self.clip_norms):
             paths = [spec.name.removeprefix("grad/") for spec in clip.inputs]
             if all(path in self.flat_bounds for path in paths):
