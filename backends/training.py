@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from attrs import frozen
 from sexpgpu.backends.checkpoint import (
     read_checkpoint,
     remove_incomplete,
@@ -58,19 +59,17 @@ DEVICES = ("cpu", "cuda")
 _LOCATION = re.compile(r' loc\([^)]*\)')
 
 
+@frozen
 class RunResult:
     """How a run ended: its status, last step, record directory and final numbers."""
 
-    def __init__(self, status: str, step: int, out_dir: Path, message: str | None,
-                 train_loss: float | None, evaluations: dict[str, dict[str, float | None]],
-                 tokens_per_s: float) -> None:
-        self.status = status
-        self.step = step
-        self.out_dir = out_dir
-        self.message = message
-        self.train_loss = train_loss
-        self.evaluations = evaluations
-        self.tokens_per_s = tokens_per_s
+    status: str
+    step: int
+    out_dir: Path
+    message: str | None
+    train_loss: float | None
+    evaluations: dict[str, dict[str, float | None]]
+    tokens_per_s: float
 
 
 def _symbol(value: Any) -> str:
