@@ -64,9 +64,7 @@ class Autodiff(Pass):
     func: str = ""
 
     def run(self, unit: CompilationUnit) -> None:
-        if unit.module is None:
-            raise SxError("autodiff needs IR: run 'evaluate' first on a .sx file")
-        targets = [op for op in unit.module.body.ops if op.name == "graph.func" and self._selects(op)]
+        targets = [op for op in unit.require_module(self.name).body.ops if op.name == "graph.func" and self._selects(op)]
         if self.func and not targets:
             raise SxError(f"autodiff: no graph.func named @{self.func}")
         for func in targets:

@@ -90,9 +90,7 @@ class BuildUpdates(Pass):
     summary = "one optimizer update graph per parameter (schedules inside), clip graphs, group states"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = unit.module
-        if module is None:
-            raise SxError("build-updates needs IR: run 'evaluate' first on a .sx file")
+        module = unit.require_module(self.name)
         params = {op.attributes["path"]: op for op in module.body.ops if op.name == "exp.param"}
         existing = {op.attributes["sym_name"] for op in module.body.ops if op.name == "graph.func"}
         groups = [op for op in module.body.ops if op.name == "exp.group"]

@@ -29,7 +29,7 @@ from sexpgpu.dialects.graph_semantics import (
     numpy_unary,
 )
 from sexpgpu.passes.dce import graph_funcs
-from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 from sexpgpu.passes.rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 
@@ -342,7 +342,7 @@ class Canonicalize(Pass):
     fast_math: bool = False
 
     def run(self, unit: CompilationUnit) -> None:
-        module_pass(self._run_module)(unit)
+        self._run_module(unit.require_module(self.name))
 
     def _run_module(self, module: Operation) -> None:
         driver = GreedyRewriteDriver(canonical_patterns(self.fast_math))

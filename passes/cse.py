@@ -8,7 +8,7 @@ from typing import Any
 from attrs import define
 from sexpgpu.dialects.core import REGISTRY, Block, Operation
 from sexpgpu.passes.dce import graph_funcs
-from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
 
 def freeze_attribute(value: Any) -> Any:
@@ -90,7 +90,7 @@ class CommonSubexpressionElimination(Pass):
     summary = "merge pure ops with equal names, operands, attributes and result types"
 
     def run(self, unit: CompilationUnit) -> None:
-        module_pass(_cse_module)(unit)
+        _cse_module(unit.require_module(self.name))
 
 
 def _cse_module(module: Operation) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attrs import define
 from sexpgpu.dialects.core import REGISTRY, Block, Operation
-from sexpgpu.passes.manager import CompilationUnit, Pass, module_pass, register_pass
+from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
 
 def is_trivially_dead(op: Operation) -> bool:
@@ -49,7 +49,7 @@ class DeadCodeElimination(Pass):
     summary = "erase pure ops whose results are unused"
 
     def run(self, unit: CompilationUnit) -> None:
-        module_pass(_dce_module)(unit)
+        _dce_module(unit.require_module(self.name))
 
 
 def _dce_module(module: Operation) -> None:

@@ -13,7 +13,6 @@ from typing import ClassVar
 
 from attrs import define
 
-from sexpgpu.diagnostics import SxError
 from sexpgpu.report import build_document, render_text
 
 from .manager import CompilationUnit, DumpPass, register_pass
@@ -34,9 +33,7 @@ class ExplainPass(DumpPass):
     json: bool = False
 
     def dump(self, unit: CompilationUnit) -> None:
-        if unit.module is None:
-            raise SxError("explain needs IR: run 'evaluate' first on a .sx file")
-        document = build_document(unit.module, unit.facts, unit.path)
+        document = build_document(unit.require_module(self.name), unit.facts, unit.path)
         if self.json:
             unit.out.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
         else:

@@ -27,8 +27,6 @@ from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation
 from sexpgpu.dialects.graph_semantics import FLOAT64_ARITH, FLOAT64_UNARY
 from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
-
 FOLDED_KINDS = ("update", "clip")
 
 SPLAT_SHAPE_OPS = (
@@ -110,9 +108,7 @@ class FoldConstants(Pass):
     summary = "fold input-independent arithmetic of update graphs; list each group's constants"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = unit.module
-        if module is None:
-            raise SxError("fold-constants needs IR: run 'evaluate' first on a .sx file")
+        module = unit.require_module(self.name)
         constants: dict[str, set[float]] = {}
         for func in module.body.ops:
             if func.name != "graph.func" or func.attributes.get("kind") not in FOLDED_KINDS:

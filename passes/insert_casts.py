@@ -138,9 +138,7 @@ class InsertCasts(Pass):
     policy: str = "auto"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = unit.module
-        if module is None:
-            raise SxError("insert-casts needs IR: run 'evaluate' first on a .sx file")
+        module = unit.require_module(self.name)
         if self.policy not in POLICIES:
             raise SxError(f"insert-casts: unknown policy '{self.policy}' (known: {', '.join(POLICIES)})")
         policy = self.policy

@@ -26,7 +26,7 @@ from attrs import define
 from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
 
 from sexpgpu import __version__
-from sexpgpu.diagnostics import Location, SxError, display_path
+from sexpgpu.diagnostics import Location, display_path
 
 from .manager import CompilationUnit, DumpPass, register_pass
 
@@ -276,9 +276,7 @@ class _GraphEncoder:
 
 def write_ir(unit: CompilationUnit, out: TextIO, compact: bool = False) -> None:
     """Stream the unit's experiment document to `out` (see the module docstring)."""
-    module = unit.module
-    if module is None:
-        raise SxError("ir-json needs IR: run 'evaluate' first on a .sx file")
+    module = unit.require_module("ir-json")
     top = list(module.body.ops)
     by_name: dict[str, list[Operation]] = {}
     for op in top:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar, TextIO
 
 import attrs
@@ -39,6 +38,12 @@ class CompilationUnit:
     facts: dict[str, Any] = field(factory=dict)
     #: Whether a dump pass wrote the output (so the tool does not also print the IR).
     dumped: bool = False
+
+    def require_module(self, pass_name: str) -> Any:
+        """The IR module, or a user error saying `pass_name` needs `evaluate` (or textual IR) first."""
+        if self.module is None:
+            raise SxError(f"{pass_name} needs IR: run 'evaluate' first on a .sx file")
+        return self.module
 
     def op_count(self) -> int:
         if self.module is not None:
@@ -222,13 +227,3 @@ def run_pipeline(unit: CompilationUnit, pipeline: str) -> CompilationUnit:
     PassManager(parse_pipeline(pipeline)).run(unit)
     return unit
 
-
-def module_pass(fn: Callable[[Any], None]) -> Callable[[CompilationUnit], None]:
-    """Adapts a function of the module to a pass body, requiring a module."""
-
-    def run(unit: CompilationUnit) -> None:
-        if unit.module is None:
-            raise SxError("this pass needs IR: run 'evaluate' first on a .sx file")
-        fn(unit.module)
-
-    return run

@@ -30,8 +30,6 @@ from attrs import define
 from sexpgpu.dialects.core import Operation, Value
 from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
-
 PLANNED_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
 LARGEST = 10
 
@@ -104,9 +102,7 @@ class PlanMemory(Pass):
     summary = "upper bound on peak activation memory per microbatch (liveness over the op order)"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = unit.module
-        if module is None:
-            raise SxError("plan-memory needs IR: run 'evaluate' first on a .sx file")
+        module = unit.require_module(self.name)
         memory = unit.facts.setdefault("memory", {})
         for func in module.body.ops:
             if func.name == "graph.func" and func.attributes.get("kind") in PLANNED_KINDS:

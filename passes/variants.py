@@ -112,7 +112,7 @@ class Accumulate(Pass):
     summary = "clone @train into @train_accumulating, adding previous gradients (inputs grad/<path>)"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = _module(unit, self.name)
+        module = unit.require_module(self.name)
         build_accumulating(module, train_graph(module, needs_grads=True))
 
 
@@ -151,7 +151,7 @@ class Stack(Pass):
     def run(self, unit: CompilationUnit) -> None:
         if self.k < 1:
             raise SxError(f"stack needs k ≥ 1, got {self.k}")
-        module = _module(unit, self.name)
+        module = unit.require_module(self.name)
         build_stacked(module, train_graph(module, needs_grads=True), self.k)
 
 
@@ -223,7 +223,7 @@ class Diagnose(Pass):
     summary = "strip observations from @train; add @train_diagnosed emitting each diagnostic's scalar reductions"
 
     def run(self, unit: CompilationUnit) -> None:
-        module = _module(unit, self.name)
+        module = unit.require_module(self.name)
         diagnostics = [op for op in module.body.ops if op.name == "exp.diagnostic" and op.attributes.get("enabled", True)]
         needs_grads = any(d.attributes["of"]["kind"] == "grads" for d in diagnostics)
         train = train_graph(module, needs_grads=needs_grads)
@@ -285,7 +285,3 @@ def reduce_to_scalar(builder: Builder, value: Value, reducer: str) -> Value:
     return builder.value("graph.sqrt", total) if reducer in ("rms", "norm") else total
 
 
-def _module(unit: CompilationUnit, pass_name: str) -> Operation:
-    if unit.module is None:
-        raise SxError(f"{pass_name} needs IR: run 'evaluate' first on a .sx file")
-    return unit.module

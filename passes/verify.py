@@ -53,6 +53,4 @@ class VerifyPass(Pass):
     summary = "check every op against its definition; report all errors"
 
     def run(self, unit: CompilationUnit) -> None:
-        if unit.module is None:
-            raise SxError("'verify' needs IR: run 'evaluate' first on a .sx file")
-        verify_module(unit.module)
+        verify_module(unit.require_module(self.name))
