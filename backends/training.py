@@ -50,7 +50,7 @@ from sexpgpu.backends.flat_updates import flat_clip, flat_update_graph
 from sexpgpu.backends.interpreter import CompiledGraph, compile_graph
 from sexpgpu.backends.loaders import Loader, vocabulary_bounds
 from sexpgpu.backends.progress import ProgressReporter, format_metrics, format_seconds
-from sexpgpu.passes.build_updates import CLIP_EPS
+from sexpgpu.dialects.exp import CLIP_EPS
 
 from sexpgpu import __version__
 from sexpgpu.diagnostics import SxError, UsageError, display_path

@@ -31,6 +31,10 @@ from __future__ import annotations
 
 from sexpgpu.dialects.core import OpDef, Operation, VerifyError, register_op
 
+#: The epsilon of global-norm clipping (`exp.group` `clip`): grads scale by min(1, clip / (norm + eps)),
+#: as torch.nn.utils.clip_grad_norm_ does. The clip graphs and any backend's own clipping share it.
+CLIP_EPS = 1e-6
+
 
 class _ExpOp(OpDef):
     family = "exp"

@@ -44,6 +44,7 @@ from typing import Any
 
 from attrs import define
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
+from sexpgpu.dialects.exp import CLIP_EPS
 from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 from sexpgpu.passes.schedules import SCALAR, build_schedule, scalar_const
 
@@ -51,7 +52,6 @@ from sexpgpu.diagnostics import Location, SxError
 
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 SGD_DEFAULTS: dict[str, Any] = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
-CLIP_EPS = 1e-6
 
 
 def new_graph(module: Operation, name: str, attributes: dict[str, Any], loc: Location | None) -> Builder:
