@@ -53,9 +53,9 @@ from sexpgpu.backends.progress import ProgressReporter, format_metrics, format_s
 from sexpgpu.dialects.exp import CLIP_EPS
 
 from sexpgpu import __version__
-from sexpgpu.diagnostics import SxError, UsageError, display_path
+from sexpgpu.devices import require_available
+from sexpgpu.diagnostics import SxError, display_path
 
-DEVICES = ("cpu", "cuda")
 _LOCATION = re.compile(r' loc\([^)]*\)')
 
 
@@ -574,10 +574,7 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
           interactive: bool | None = None) -> RunResult:
     """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do."""
-    if device not in DEVICES:
-        raise UsageError(f"--device must be cpu or cuda, not {device}")
-    if device == "cuda":
-        raise SxError("the CUDA executor is not available in this build; run with --device cpu")
+    require_available(device, "run")
     experiment = Experiment(path, variant, set_flags(sets))
     resume_path = Path(resume) if resume is not None else None
     if out is not None:

@@ -28,6 +28,13 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_flag(parser: argparse.ArgumentParser, purpose: str) -> None:
+    from sexpgpu.devices import DEVICES, default_device
+
+    parser.add_argument("--device", choices=DEVICES, default=default_device(),
+                        help=f"{purpose} (default: $SEXPGPU_DEVICE or cpu)")
+
+
 def guarded(body: Callable[[], int]) -> int:
     """Run a command body: user errors print their diagnostic and give 1, usage errors 2, bugs 3."""
     try:

@@ -13,11 +13,15 @@ from typing import TextIO
 
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
 from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+from sexpgpu.tools.common import add_device_flag
+
+from sexpgpu.devices import require_available
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    add_device_flag(parser, "cpu: the device hole; cuda: the lowering report, which needs the CUDA executor")
 
 
 def compile_unit(file: str, variant: str | None, sets: list[str], dump: str = "", out: TextIO | None = None) -> CompilationUnit:
@@ -27,5 +31,6 @@ def compile_unit(file: str, variant: str | None, sets: list[str], dump: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
+    require_available(args.device, "explain")
     compile_unit(args.file, args.variant, args.set, "explain{json=true}" if args.json else "explain")
     return 0

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from sexpgpu.backends.training import DEVICES, train
+from sexpgpu.backends.training import train
+from sexpgpu.tools.common import add_device_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
-    parser.add_argument("--device", choices=DEVICES, default=os.environ.get("SEXPGPU_DEVICE") or "cpu",
-                        help="where to train (default: $SEXPGPU_DEVICE or cpu)")
+    add_device_flag(parser, "where to train")
     parser.add_argument("--out", metavar="DIR", help="the run record directory (default: runs/<file-stem>-<time>)")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from a run directory's latest checkpoint, or from one checkpoints/step-N")
