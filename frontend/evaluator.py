@@ -47,7 +47,7 @@ from .data import (
     Symbol,
     element_loc,
 )
-from .reader import read_file
+from .reader import read_file, read_text
 
 #: Nested calls of .sx functions allowed before a located "too deep" error.
 MAX_CALL_DEPTH = 10_000
@@ -653,6 +653,9 @@ class Evaluator:
         self.loaded: set[str] = set()
         #: The files being evaluated, outermost first (for require cycles).
         self.loading: list[str] = []
+        #: Text that stands for a file's contents, by absolute path (a chunk of
+        #: `sexpgpu-opt --split-input-file`, or standard input).
+        self.sources: dict[str, str] = {}
         self._gensym_counter = itertools.count(1)
         for b in (
             Builtin("gensym", self.gensym),
@@ -680,8 +683,6 @@ class Evaluator:
 
     def eval_text(self, text: str, file: str = "<string>") -> list[Any]:
         """Evaluate every top-level form of `text`; the value of each."""
-        from .reader import read_text
-
         forms = read_text(text, file)
         return run_deep(lambda: [self.eval_toplevel(f, loc) for f, loc in zip(forms, forms.locs)])
 
@@ -697,8 +698,13 @@ class Evaluator:
         node = self.analyze(form, scope, loc)
         return node([None] * scope.frame.size)
 
+    def read_source(self, path: str) -> SxList:
+        """The forms of `path`: its text in `sources` when given there, else the file's."""
+        text = self.sources.get(os.path.abspath(path))
+        return read_file(path) if text is None else read_text(text, path)
+
     def _eval_file(self, path: str, on_result: Callable[[Any, Any], None] | None = None) -> list[tuple[Any, Any]]:
-        forms = read_file(path)
+        forms = self.read_source(path)
         self.loading.append(os.path.abspath(path))
         results = []
         try:

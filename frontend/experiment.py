@@ -46,7 +46,6 @@ from .evaluator import (
 )
 from .modules import Init, ModelTree, Param, Shown, symbol_arg
 from .printing import show
-from .reader import read_file
 from .selection import Knob, Selection, Variant, plain_value
 from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, as_tensor, describe, dtype_name, tracing
 
@@ -489,7 +488,7 @@ def _variants_of(env: Env, loc: Location | None) -> list[Variant]:
     files = [f for f in dict.fromkeys([*env.evaluator.loading[:1], os.path.abspath(loc.file) if loc else None]) if f]
     out = []
     for path in files:
-        forms = read_file(path)
+        forms = env.evaluator.read_source(path)
         for form, floc in zip(forms, forms.locs):
             if isinstance(form, SxList) and form and form[0] == Symbol("defvariant"):
                 out.append(_parse_variant(env, form, floc))

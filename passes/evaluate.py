@@ -1,7 +1,8 @@
 """`evaluate`: the .sx file, under the unit's selection, to the experiment module.
 
-Evaluates `unit.path` with the unit's variant and `--set` overrides (the
-prelude first), then traces the run's graphs; the module holds the `exp` ops
+Evaluates the unit's text (when it has one: a `--split-input-file` chunk or
+standard input) or else `unit.path`, with the unit's variant and `--set`
+overrides (the prelude first), then traces the run's graphs; the module holds the `exp` ops
 and the `graph.func`s that `dialects/exp.py` documents. The Python-side
 experiment (knob docs, variants, loaders, warnings, traces) is left in
 `unit.facts["experiment"]` for reports.
@@ -9,6 +10,7 @@ experiment (knob docs, variants, loaders, warnings, traces) is left in
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 from attrs import define
@@ -38,6 +40,8 @@ class EvaluatePass(Pass):
         # Everything evaluation and tracing allocate stays alive: collections would only re-traverse it.
         with gc_paused():
             evaluator = Evaluator(variant=unit.variant, sets=unit.sets)
+            if unit.text is not None:
+                evaluator.sources[os.path.abspath(unit.path)] = unit.text
             evaluator.eval_file(unit.path)
             experiment = evaluator.experiment  # type: ignore[attr-defined]
             unit.module = run_deep(lambda: experiment.build(unit.path))
