@@ -25,7 +25,7 @@ from sexpgpu.tools.common import add_selection_flags, guarded
 from sexpgpu.diagnostics import Location, SxError, UsageError, remember_source
 
 _SPLIT_MARKER = {False: re.compile(r"^//\s*-----\s*$"), True: re.compile(r"^;+\s*-----\s*$")}
-_EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+))?\s*\{\{(.*?)\}\}")
+_EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+|above|below))?\s*\{\{(.*?)\}\}")
 _RENDERED = re.compile(r"^(.+?):(\d+):(\d+): (error|warning|note): (.*)$")
 
 
@@ -110,12 +110,30 @@ def split_chunks(text: str, is_sx: bool) -> list[str]:
 
 
 def expectations(text: str) -> list[Expectation]:
-    """The `expected-error@+1 {{...}}` annotations of a chunk."""
+    """The `expected-error@+1 {{...}}` annotations of a chunk.
+
+    As in MLIR, `@below` and `@above` name the nearest line after or before the
+    annotation that is not itself a comment holding an annotation.
+    """
+    lines = text.split("\n")
+    annotated = [line.lstrip().startswith(("//", ";")) and bool(_EXPECTATION.search(line)) for line in lines]
+
+    def nearest_plain(index: int, step: int) -> int:
+        while 0 <= index < len(lines) and annotated[index]:
+            index += step
+        return index + 1
+
     found = []
-    for number, line in enumerate(text.split("\n"), 1):
+    for number, line in enumerate(lines, 1):
         for m in _EXPECTATION.finditer(line):
-            offset = int(m.group(2)) if m.group(2) else 0
-            found.append(Expectation(m.group(1), number + offset, m.group(3), number))
+            where = m.group(2)
+            if where == "below":
+                target = nearest_plain(number, 1)
+            elif where == "above":
+                target = nearest_plain(number - 2, -1)
+            else:
+                target = number + (int(where) if where else 0)
+            found.append(Expectation(m.group(1), target, m.group(3), number))
     return found
 
 
