@@ -533,7 +533,12 @@ def matmul(loc: Location | None, a: object, b: object) -> Tensor:
     loc = _op_loc(loc)
     trace = require_trace("'matmul'", loc)
     ta, tb = as_tensor(a, trace, loc, "matmul"), as_tensor(b, trace, loc, "matmul")
-    return trace.value("matmul", [ta.value, tb.value], loc)
+    try:
+        return trace.value("matmul", [ta.value, tb.value], loc)
+    except SxError as err:
+        # Both shapes are in the message; the caret goes under b, read against a.
+        err.operand = 1  # type: ignore[attr-defined]
+        raise
 
 
 def take(loc: Location | None, x: object, idx: object, axis: object = 0) -> Tensor:
@@ -708,6 +713,7 @@ EMITS: dict[str, Callable[..., Any]] = {"metric": emit_metric, "counter": emit_c
 
 TENSOR_OPS.update(OVERLOADED)
 #: Their broadcast errors name the operand at fault; a user's call points the caret at it.
-OPERAND_LOCATED.update(("+", "-", "*", "/", "pow", "maximum", "minimum", "=", "!=", "<", "<=", ">", ">=", "where"))
+OPERAND_LOCATED.update(("+", "-", "*", "/", "pow", "maximum", "minimum", "=", "!=", "<", "<=", ">", ">=", "where",
+                        "matmul"))
 for _name, _fn in PRIMITIVES.items():
     register_builtin(_name, _fn, loc=True, kwargs=_name == "sum")
