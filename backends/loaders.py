@@ -286,7 +286,8 @@ class Loader:
             field = self.fields[0]
             length = field.shape[0]
             starts = self._window_starts(position, self.batch)
-            windows = np.stack([self.tokens[s : s + length] for s in starts.tolist()])
+            # One gather of all the windows (no memmap slice per window).
+            windows = np.asarray(self.tokens[starts[:, None] + np.arange(length)])
             return {field.name: windows.astype(field.numpy_dtype)}
         indices = self._record_indices(position, self.batch)
         return {f.name: np.asarray(self.records[f.name][indices]).astype(f.numpy_dtype) for f in self.fields}

@@ -11,7 +11,8 @@ by op name. Two memory plans keep repeated calls cheap:
   source's buffer alive). An elementwise op may take the buffer of an operand
   that dies at that op, which makes it an in-place update.
 - Early release: a large array that is not in a reused buffer is dropped from
-  its register after its last use.
+  its register after its last use, by the next step before it computes (no
+  step of its own).
 
 Outputs and emitted values never live in reused buffers, so what a call
 returns stays valid after later calls and is the caller's to update in place;
@@ -110,8 +111,8 @@ class CompiledGraph:
         #: Outputs whose kernel writes into an array given at call time: (name, the register
         #: holding that array, shape, dtype, registers of inputs still read after it is written).
         self._direct = list(direct)
-        #: The op each step runs (None for a release step), for `profile`.
-        self.step_ops: list[Operation | None] = []
+        #: The op each step runs, for `profile`.
+        self.step_ops: list[Operation] = []
         #: Steps that run several ops: the step's op (as in `step_ops`) -> all the ops it runs.
         self.fused_ops: dict[Operation, list[Operation]] = {}
 
@@ -151,8 +152,7 @@ class CompiledGraph:
         for step, op in zip(self._steps, self.step_ops):
             started = clock()
             step(regs)
-            if op is not None:
-                times.append((op, clock() - started))
+            times.append((op, clock() - started))
         return times
 
 
@@ -244,11 +244,22 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     inputs: list[InputSpec] = []
     constants: list[tuple[int, np.ndarray]] = []
     steps: list[Step] = []
-    #: The op each step runs (None for releases), for `CompiledGraph.profile`.
-    step_ops: list[Operation | None] = []
+    #: The op each step runs, for `CompiledGraph.profile`.
+    step_ops: list[Operation] = []
     outputs: list[tuple[str, int, bool]] = []
     emits: list[tuple[str, str, int]] = []
     emit_registers = 0
+    # Registers to drop (set to None) at the start of the next step: releases are no steps of
+    # their own. An implicit broadcast shares its operand's register, so a register is dropped
+    # after the last use of every value it holds.
+    releases = _register_releases(plan, implicit)
+    pending: list[Value] = []
+
+    def drop() -> tuple[int, ...]:
+        dropped = tuple(registers[v] for v in pending if v in registers)
+        pending.clear()
+        return dropped
+
     for position, op in enumerate(ops):
         if op.name == "graph.input":
             t = op.result.type
@@ -263,7 +274,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             slot = -1 - emit_registers
             emit_registers += 1
             emits.append((EMIT_KINDS[op.name], op.attributes["name"], slot))
-            steps.append(_emit_step(op.name, registers[op.operands[0]], slot, plan.is_shared(op.operands[0])))
+            steps.append(_emit_step(op.name, registers[op.operands[0]], slot, plan.is_shared(op.operands[0]), drop()))
             step_ops.append(op)
         elif op in summed:
             # sum(matmul(a, b), axis 0) as one contraction, run here in the matmul's place (the sum
@@ -273,7 +284,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             dst = register(total.result)
             buffer = plan.buffer_for(total.result, policy)
             slot = direct_register(total.result, position, False)
-            steps.append(_compute_step(batch_summed_matmul, args, dst, buffer, slot))
+            steps.append(_compute_step(batch_summed_matmul, args, dst, buffer, slot, drop()))
             step_ops.append(op)
         elif op in summed.values() or op in pad_members:
             pass
@@ -286,12 +297,11 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
             dst = register(op.result)
             buffer = plan.buffer_for(op.result, policy, in_place=False)
             slot = direct_register(op.result, position, False)
-            steps.append(_variadic_into_step(fn, args, dst, buffer, slot))
+            steps.append(_variadic_into_step(fn, args, dst, buffer, slot, drop()))
             step_ops.append(op)
         elif op in implicit:
-            # Its readers broadcast the operand themselves: pass the operand on as it is.
-            steps.append(_alias_step(registers[op.operands[0]], register(op.result)))
-            step_ops.append(op)
+            # Its readers broadcast the operand themselves: they read the operand's register.
+            registers[op.result] = registers[op.operands[0]]
         else:
             kernel = kernel_for(op, policy)
             args = tuple(registers[v] for v in op.operands)
@@ -308,12 +318,9 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
                 buffer = plan.buffer_for(op.result, policy)
             slot = (direct_register(op.result, position, op.family in IN_PLACE_FAMILIES)
                     if kernel.takes_out and len(args) <= 2 else None)
-            steps.append(_compute_step(kernel.fn, args, dst, buffer, slot))
+            steps.append(_compute_step(kernel.fn, args, dst, buffer, slot, drop()))
             step_ops.append(op)
-        released = [registers[v] for v in plan.released_after(position) if v in registers]
-        if released:
-            steps.append(_release_step(released))
-            step_ops.append(None)
+        pending.extend(releases.get(position, ()))
     # Emit slots live past the value registers (negative indices count from the end).
     graph = CompiledGraph(_func_name(func), inputs, constants, steps, outputs,
                           [(kind, name, len(registers) + emit_registers + slot) for kind, name, slot in emits],
@@ -397,7 +404,9 @@ def pad_sum_kernel(pads: list[Operation], shape: tuple[int, ...], storage: np.dt
 
 
 def _variadic_into_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None,
-                        out_register: int | None) -> Step:
+                        out_register: int | None, drop: tuple[int, ...] = ()) -> Step:
+    if drop:
+        return _after_dropping(_variadic_into_step(fn, args, dst, out, out_register), drop)
     if out_register is not None:
         def variadic_to_output(regs: Registers) -> None:
             regs[dst] = fn(*[regs[i] for i in args], out=regs[out_register])
@@ -527,7 +536,11 @@ def _func_name(func: Operation) -> str:
 
 
 def _compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None,
-                  out_register: int | None = None) -> Step:
+                  out_register: int | None = None, drop: tuple[int, ...] = ()) -> Step:
+    """`regs[dst] = fn(*args)`, into `out` or the array in `out_register` if given, after setting
+    the registers in `drop` to None (values no longer read: their arrays may be freed)."""
+    if drop:
+        return _dropping_compute_step(fn, args, dst, out, out_register, drop)
     if out_register is not None:
         # An output: into the array the call put in `out_register` (the caller's, or a fresh one).
         o = out_register
@@ -579,14 +592,82 @@ def _compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: 
     return variadic
 
 
-def _alias_step(src: int, dst: int) -> Step:
-    def alias(regs: Registers) -> None:
-        regs[dst] = regs[src]
+def _dropping_compute_step(fn: Callable[..., Any], args: tuple[int, ...], dst: int, out: np.ndarray | None,
+                           out_register: int | None, drop: tuple[int, ...]) -> Step:
+    """`_compute_step` with registers to drop first (the common kinds written out: a call of an
+    inner step would cost what a separate release step did)."""
+    if out_register is None and len(args) <= 2:
+        if len(args) == 1:
+            (a,) = args
+            if out is not None:
+                def unary_into_dropping(regs: Registers) -> None:
+                    for i in drop:
+                        regs[i] = None
+                    regs[dst] = fn(regs[a], out=out)
 
-    return alias
+                return unary_into_dropping
+
+            def unary_dropping(regs: Registers) -> None:
+                for i in drop:
+                    regs[i] = None
+                regs[dst] = fn(regs[a])
+
+            return unary_dropping
+        a, b = args
+        if out is not None:
+            def binary_into_dropping(regs: Registers) -> None:
+                for i in drop:
+                    regs[i] = None
+                regs[dst] = fn(regs[a], regs[b], out=out)
+
+            return binary_into_dropping
+
+        def binary_dropping(regs: Registers) -> None:
+            for i in drop:
+                regs[i] = None
+            regs[dst] = fn(regs[a], regs[b])
+
+        return binary_dropping
+    return _after_dropping(_compute_step(fn, args, dst, out, out_register), drop)
 
 
-def _emit_step(name: str, src: int, slot: int, shared: bool) -> Step:
+def _after_dropping(step: Step, drop: tuple[int, ...]) -> Step:
+    """`step`, after setting the registers in `drop` to None."""
+    if not drop:
+        return step
+
+    def dropping(regs: Registers) -> None:
+        for i in drop:
+            regs[i] = None
+        step(regs)
+
+    return dropping
+
+
+def _register_releases(plan: _MemoryPlan, implicit: set[Operation]) -> dict[int, list[Value]]:
+    """Position -> values whose registers may be dropped after the op there: `plan`'s releases,
+    where an implicit broadcast shares its operand's register (so the register is named by the
+    operand, and dropped after the last use of both)."""
+    holder = {op.result: op.operands[0] for op in implicit}
+    sharers: dict[Value, list[Value]] = {}
+    for value in plan.last_use:
+        sharers.setdefault(_holder(value, holder), []).append(value)
+    releases: dict[int, list[Value]] = {}
+    for source in {_holder(v, holder) for v in plan.released_values()}:
+        releases.setdefault(max(plan.last_use[v] for v in sharers[source]), []).append(source)
+    return releases
+
+
+def _holder(value: Value, holder: Mapping[Value, Value]) -> Value:
+    """The value whose register `value` is in (itself, unless it is an implicit broadcast)."""
+    while value in holder:
+        value = holder[value]
+    return value
+
+
+def _emit_step(name: str, src: int, slot: int, shared: bool, drop: tuple[int, ...] = ()) -> Step:
+    if drop:
+        return _after_dropping(_emit_step(name, src, slot, shared), drop)
     if name == "graph.metric":
 
         def metric(regs: Registers) -> None:
@@ -598,14 +679,6 @@ def _emit_step(name: str, src: int, slot: int, shared: bool) -> Step:
         regs[slot] = np.array(regs[src]) if shared else np.asarray(regs[src])
 
     return record
-
-
-def _release_step(released: list[int]) -> Step:
-    def release(regs: Registers) -> None:
-        for i in released:
-            regs[i] = None
-
-    return release
 
 
 class _MemoryPlan:
@@ -651,8 +724,10 @@ class _MemoryPlan:
         the value is a view (read-only for a broadcast, and aliasing whatever else sees its root)."""
         return self.root[value] is not value or value in self.fixed
 
-    def released_after(self, position: int) -> list[Value]:
-        return self._releases.get(position, [])
+    def released_values(self) -> list[Value]:
+        """Large values not in reused buffers nor escaping: their registers may be dropped after
+        their last use (`last_use`)."""
+        return [v for values in self._releases.values() for v in values]
 
     def buffer_for(self, value: Value, policy: DtypePolicy, in_place: bool | None = None,
                    shape: tuple[int, ...] | None = None) -> np.ndarray | None:
