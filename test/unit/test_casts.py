@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _graph_helpers import make_module
 from sexpgpu.backends.interpreter import compile_graph
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
@@ -59,13 +60,6 @@ def mlp_train() -> Operation:
     return func
 
 
-def module_with(*ops: Operation) -> Operation:
-    module = Operation.create("builtin.module", regions=[Region.with_block()])
-    for op in ops:
-        module.body.append(op)
-    return module
-
-
 def run_casts(module: Operation, pipeline: str = "insert-casts{policy=bf16}") -> CompilationUnit:
     unit = CompilationUnit(module=module)
     run_pipeline(unit, pipeline)
@@ -79,7 +73,7 @@ def ops_named(func: Operation, name: str) -> list[Operation]:
 
 def test_f32_policy_adds_no_cast() -> None:
     func = mlp_train()
-    unit = run_casts(module_with(func), "insert-casts{policy=f32}")
+    unit = run_casts(make_module(func), "insert-casts{policy=f32}")
     assert ops_named(func, "graph.cast") == []
     assert unit.facts["casts"] == {"train": 0} and unit.facts["kept_f32"] == []
 
@@ -87,7 +81,7 @@ def test_f32_policy_adds_no_cast() -> None:
 def test_bf16_matmuls_in_bf16_reductions_and_outputs_in_f32() -> None:
     func = mlp_train()
     signature_before = [(op.attributes["name"], op.result.type) for op in ops_named(func, "graph.input")]
-    unit = run_casts(module_with(func))
+    unit = run_casts(make_module(func))
     for op in ops_named(func, "graph.matmul"):
         assert [v.type.dtype for v in op.operands] == ["bf16", "bf16"]
     for name in ("graph.max", "graph.sum"):
@@ -124,7 +118,7 @@ def test_bf16_graph_runs_close_to_f32() -> None:
     }
     want = compile_graph(mlp_train())(inputs)
     func = mlp_train()
-    run_casts(module_with(func))
+    run_casts(make_module(func))
     got = compile_graph(func)(inputs)
     assert got.outputs["loss"].dtype == np.float32
     np.testing.assert_allclose(got.outputs["loss"], want.outputs["loss"], rtol=2e-2)
@@ -141,11 +135,11 @@ def test_auto_policy_reads_the_run_and_leaves_update_graphs_alone() -> None:
     update = mlp_train()
     update.attributes.update(sym_name="update/default/model.out.w", kind="update")
     train = mlp_train()
-    unit = run_casts(module_with(run, train, update), "insert-casts")
+    unit = run_casts(make_module(run, train, update), "insert-casts")
     assert unit.facts["casts"] == {"train": 6}
     assert ops_named(update, "graph.cast") == []
 
 
 def test_unknown_policy_is_an_error() -> None:
     with pytest.raises(SxError, match="unknown policy 'fp8'"):
-        run_casts(module_with(mlp_train()), "insert-casts{policy=fp8}")
+        run_casts(make_module(mlp_train()), "insert-casts{policy=fp8}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from _graph_helpers import make_module
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
@@ -57,10 +58,7 @@ def small_train(kind: str = "train", accumulate: bool = False) -> Operation:
 
 
 def plan(*funcs: Operation) -> dict:
-    module = Operation.create("builtin.module", regions=[Region.with_block()])
-    for func in funcs:
-        module.body.append(func)
-    unit = CompilationUnit(module=module)
+    unit = CompilationUnit(module=make_module(*funcs))
     run_pipeline(unit, "plan-memory")
     return unit.facts["memory"]
 
