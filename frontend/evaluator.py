@@ -461,8 +461,8 @@ def _core(name: str) -> Callable[[Callable], Callable]:
 
 
 def eval_file_lines(path: str, variant: str | None = None, sets: list[str] | None = None,
-                    on_line: Callable[[str], None] | None = None) -> list[str]:  # fmt: skip
-    """What `sexpgpu eval` prints for `path`: one line per top-level form."""
+                    on_line: Callable[[str], None] | None = None, text: str | None = None) -> list[str]:  # fmt: skip
+    """What `sexpgpu eval` prints for `path` (or for `text` standing for it): one line per top-level form."""
     lines: list[str] = []
 
     def emit(form: Any, value: Any) -> None:
@@ -471,7 +471,10 @@ def eval_file_lines(path: str, variant: str | None = None, sets: list[str] | Non
         if on_line is not None:
             on_line(line)
 
-    Evaluator(variant=variant, sets=sets).eval_file(path, emit)
+    evaluator = Evaluator(variant=variant, sets=sets)
+    if text is not None:
+        evaluator.sources[os.path.abspath(path)] = text
+    evaluator.eval_file(path, emit)
     return lines
 
 

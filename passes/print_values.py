@@ -39,4 +39,5 @@ class PrintValuesPass(Pass):
         out = unit.out
         # The unit's output is dumped even when a later form fails: the values before it stay printed.
         unit.dumped = True
-        eval_file_lines(unit.path, variant=unit.variant, sets=list(unit.sets), on_line=lambda line: out.write(line + "\n"))
+        eval_file_lines(unit.path, variant=unit.variant, sets=list(unit.sets), on_line=lambda line: out.write(line + "\n"),
+                        text=unit.text)
