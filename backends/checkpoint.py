@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from sexpgpu.diagnostics import SxError
+from ..diagnostics import SxError
 
 FORMAT = "sexpgpu-checkpoint"
 VERSION = 1

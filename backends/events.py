@@ -70,7 +70,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     A line that is not a JSON object anywhere else is an error located at it:
     the log was edited or is not a run's.
     """
-    from sexpgpu.diagnostics import Location, SxError
+    from ..diagnostics import Location, SxError
 
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sexpgpu.dialects.core import Operation, Region, TensorType, Value
+
+from ..dialects.core import Operation, Region, TensorType, Value
 
 #: Op families that compute elementwise (the same function of each element).
 _ELEMENTWISE = frozenset({"unary", "binary", "compare", "select", "cast"})

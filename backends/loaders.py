@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sexpgpu.dialects.graph_semantics import numpy_dtypes
 
-from sexpgpu.diagnostics import Location, SxError
+from ..diagnostics import Location, SxError
+from ..dialects.graph_semantics import numpy_dtypes
 
 #: Field dtypes of the language → numpy dtypes: the dialect's, and `bool` for `i1`.
 FIELD_DTYPES: dict[str, Any] = {**numpy_dtypes(), "bool": np.bool_}

@@ -39,22 +39,22 @@ from typing import Any
 
 import numpy as np
 from attrs import frozen
-from sexpgpu.backends.checkpoint import (
+
+from ..devices import require_available
+from ..diagnostics import SxError, display_path
+from ..dialects.exp import CLIP_EPS
+from ..version import __version__
+from .checkpoint import (
     read_checkpoint,
     remove_incomplete,
     resolve_checkpoint,
     write_checkpoint,
 )
-from sexpgpu.backends.events import EventLog, finite_or_none
-from sexpgpu.backends.flat_updates import flat_clip, flat_update_graph
-from sexpgpu.backends.interpreter import CompiledGraph, compile_graph
-from sexpgpu.backends.loaders import Loader, vocabulary_bounds
-from sexpgpu.backends.progress import ProgressReporter, format_metrics, format_seconds
-from sexpgpu.dialects.exp import CLIP_EPS
-
-from sexpgpu import __version__
-from sexpgpu.devices import require_available
-from sexpgpu.diagnostics import SxError, display_path
+from .events import EventLog, finite_or_none
+from .flat_updates import flat_clip, flat_update_graph
+from .interpreter import CompiledGraph, compile_graph
+from .loaders import Loader, vocabulary_bounds
+from .progress import ProgressReporter, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
 
@@ -102,7 +102,7 @@ class Experiment:
     """The experiment compiled through the training pipeline, as the driver needs it: ops and graphs."""
 
     def __init__(self, path: str, variant: str | None, sets: list[str]) -> None:
-        from sexpgpu.api import Experiment as CompiledExperiment
+        from ..api import Experiment as CompiledExperiment
 
         self.path = path
         self.compiled = CompiledExperiment(path, variant, sets)
@@ -156,7 +156,7 @@ class Experiment:
         Equal iff the same computation: a comment, a moved file or a knob set
         to its default value changes nothing that runs.
         """
-        from sexpgpu.dialects.printer import print_module
+        from ..dialects.printer import print_module
 
         lines = [line for line in print_module(self.module).splitlines() if not line.startswith("exp.selection ")]
         return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from attrs import define, field, frozen
 
-from sexpgpu.diagnostics import Location, Note, SxError
+from ..diagnostics import Location, Note, SxError
 
 DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i1")
 FLOAT_DTYPES = ("f32", "bf16", "f16")

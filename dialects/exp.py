@@ -29,7 +29,7 @@ What `evaluate` makes (later passes add what their docstrings say):
 
 from __future__ import annotations
 
-from sexpgpu.dialects.core import OpDef, Operation, VerifyError, register_op
+from .core import OpDef, Operation, VerifyError, register_op
 
 #: The epsilon of global-norm clipping (`exp.group` `clip`): grads scale by min(1, clip / (norm + eps)),
 #: as torch.nn.utils.clip_grad_norm_ does. The clip graphs and any backend's own clipping share it.

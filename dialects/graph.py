@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from sexpgpu.dialects.core import (
+from .core import (
     DTYPES,
     FLOAT_DTYPES,
     INT_DTYPES,

@@ -19,7 +19,9 @@ import re
 from typing import Any
 
 import sexpgpu.dialects  # noqa: F401  (registers every op)
-from sexpgpu.dialects.core import (
+
+from ..diagnostics import Location, SxError, remember_source
+from .core import (
     DTYPES,
     REGISTRY,
     Block,
@@ -30,8 +32,6 @@ from sexpgpu.dialects.core import (
     Value,
     gc_paused,
 )
-
-from sexpgpu.diagnostics import Location, SxError, remember_source
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'
 _POS = _STRING + r":\d+:\d+"

@@ -21,10 +21,9 @@ import numbers
 import re
 from typing import Any
 
-from sexpgpu.dialects.core import Block, Operation, SymbolRef, TensorType, Value, quote_symbol
-
-from sexpgpu.diagnostics import Location
-from sexpgpu.float_text import shortest_float
+from ..diagnostics import Location
+from ..float_text import shortest_float
+from .core import Block, Operation, SymbolRef, TensorType, Value, quote_symbol
 
 _BARE_KEY = re.compile(r"[A-Za-z_][\w$.-]*\Z")
 _BARE_NAME = re.compile(r"[A-Za-z_][\w$.-]*\Z")

@@ -14,8 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from sexpgpu.diagnostics import Location, SxError
-
+from ..diagnostics import Location, SxError
 from .data import TENSOR_OPS, Keyword, SxList, SxMap, SxVector, TensorLike
 from .evaluator import BuiltinError, Values, builtin, invoke, truthy
 from .printing import show

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sexpgpu.diagnostics import Location
+from ..diagnostics import Location
 
 
 class Symbol:

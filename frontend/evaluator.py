@@ -32,8 +32,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sexpgpu.diagnostics import Location, SxError
-
+from ..diagnostics import Location, SxError
 from .data import (
     QUASIQUOTE,
     QUOTE,
@@ -966,7 +965,7 @@ def spanned(loc: Location) -> Location:
     """`loc` with an end column spanning the bracketed form that starts there, when it ends on its line."""
     if loc.end_col is not None:
         return loc
-    from sexpgpu.diagnostics import source_line
+    from ..diagnostics import source_line
 
     line = source_line(loc.file, loc.line)
     if line is None or loc.col < 1 or loc.col > len(line) or line[loc.col - 1] not in "([{":

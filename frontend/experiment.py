@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from attrs import define, field
-from sexpgpu.dialects.core import Operation, Region, SymbolRef, TensorType
 
-from sexpgpu.diagnostics import Location, SxError, nearest, warn
-
+from ..diagnostics import Location, SxError, nearest, warn
+from ..dialects.core import Operation, Region, SymbolRef, TensorType
 from . import modules
 from .data import Keyword, SxList, Symbol, TensorLike, element_loc
 from .evaluator import (

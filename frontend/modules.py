@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import define, field
 
-from sexpgpu.diagnostics import Location, SxError
-
+from ..diagnostics import Location, SxError
 from .data import Keyword, SxList, Symbol
 from .evaluator import (
     Builtin,
@@ -119,7 +118,7 @@ class Param(Traceable):
         return math.prod(self.shape)
 
     def trace_value(self, trace: Trace, loc: Location | None) -> Tensor:
-        from sexpgpu.dialects.core import TensorType
+        from ..dialects.core import TensorType
 
         return trace.input("param", self.path, TensorType(self.shape, self.dtype), self.loc)
 

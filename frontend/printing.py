@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from sexpgpu.float_text import shortest_float
-
+from ..float_text import shortest_float
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxMap, SxVector, Symbol
 
 _QUOTE_PREFIXES = {QUOTE: "'", QUASIQUOTE: "`", UNQUOTE: ",", UNQUOTE_SPLICING: ",@"}

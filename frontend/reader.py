@@ -19,8 +19,7 @@ from pathlib import Path
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import LarkError
 
-from sexpgpu.diagnostics import Location, SxError, remember_source
-
+from ..diagnostics import Location, SxError, remember_source
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxList, SxMap, SxVector, Symbol
 
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")

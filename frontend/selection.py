@@ -20,8 +20,7 @@ from typing import Any
 
 from attrs import define, field
 
-from sexpgpu.diagnostics import Location, SxError, nearest
-
+from ..diagnostics import Location, SxError, nearest
 from .data import SELF_EVALUATING_NAMES, Symbol
 
 SOURCES = ("default", "variant", "set")

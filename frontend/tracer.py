@@ -25,11 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sexpgpu.dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region, TensorType, Value
-from sexpgpu.dialects.graph import ShapeError, broadcast_shapes, show_shape
-
-from sexpgpu.diagnostics import Location, SxError
-
+from ..diagnostics import Location, SxError
+from ..dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region, TensorType, Value
+from ..dialects.graph import ShapeError, broadcast_shapes, show_shape
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
 from .evaluator import OPERAND_LOCATED, register_builtin, user_location
 

@@ -38,11 +38,11 @@ import math
 from collections.abc import Callable, Sequence
 
 from attrs import define
-from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation, TensorType, Value
-from sexpgpu.passes import load_all
-from sexpgpu.passes.manager import PASSES, CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
+from ..diagnostics import SxError
+from ..dialects.core import FLOAT_DTYPES, Builder, Operation, TensorType, Value
+from . import load_all
+from .manager import PASSES, CompilationUnit, Pass, register_pass
 
 GRAD_PREFIX = "grad/"
 CLEANUP_PASSES = ("canonicalize", "cse", "dce")

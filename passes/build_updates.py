@@ -43,12 +43,12 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
-from sexpgpu.dialects.exp import CLIP_EPS
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
-from sexpgpu.passes.schedules import SCALAR, build_schedule, scalar_const
 
-from sexpgpu.diagnostics import Location, SxError
+from ..diagnostics import Location, SxError
+from ..dialects.core import Builder, Operation, Region, TensorType, Value
+from ..dialects.exp import CLIP_EPS
+from .manager import CompilationUnit, Pass, register_pass
+from .schedules import SCALAR, build_schedule, scalar_const
 
 ADAMW_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 SGD_DEFAULTS: dict[str, Any] = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}

@@ -17,8 +17,9 @@ import struct
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import FLOAT_DTYPES, Operation, Value
-from sexpgpu.dialects.graph_semantics import (
+
+from ..dialects.core import FLOAT_DTYPES, Operation, Value
+from ..dialects.graph_semantics import (
     BINARY_OPS,
     FLOAT64_ARITH,
     FLOAT64_COMPARE,
@@ -28,9 +29,9 @@ from sexpgpu.dialects.graph_semantics import (
     numpy_dtypes,
     numpy_unary,
 )
-from sexpgpu.passes.dce import graph_funcs
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
-from sexpgpu.passes.rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
+from .dce import graph_funcs
+from .manager import CompilationUnit, Pass, register_pass
+from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 
 def splat_value(value: Value) -> Any:

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import REGISTRY, Block, Operation
-from sexpgpu.passes.dce import graph_funcs
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from ..dialects.core import REGISTRY, Block, Operation
+from .dce import graph_funcs
+from .manager import CompilationUnit, Pass, register_pass
 
 
 def freeze_attribute(value: Any) -> Any:

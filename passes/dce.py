@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from attrs import define
-from sexpgpu.dialects.core import REGISTRY, Block, Operation
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from ..dialects.core import REGISTRY, Block, Operation
+from .manager import CompilationUnit, Pass, register_pass
 
 
 def is_trivially_dead(op: Operation) -> bool:

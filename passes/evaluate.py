@@ -14,11 +14,10 @@ import os
 from typing import ClassVar
 
 from attrs import define
-from sexpgpu.dialects.core import gc_paused
-from sexpgpu.frontend.evaluator import Evaluator, run_deep
 
-from sexpgpu.diagnostics import SxError
-
+from ..diagnostics import SxError
+from ..dialects.core import gc_paused
+from ..frontend.evaluator import Evaluator, run_deep
 from .manager import CompilationUnit, Pass, register_pass
 
 

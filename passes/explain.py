@@ -13,8 +13,7 @@ from typing import ClassVar
 
 from attrs import define
 
-from sexpgpu.report import build_document, render_text
-
+from ..report import build_document, render_text
 from .manager import CompilationUnit, DumpPass, register_pass
 
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 
 from attrs import define
-from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation
-from sexpgpu.dialects.graph_semantics import FLOAT64_ARITH, FLOAT64_UNARY
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from ..dialects.core import FLOAT_DTYPES, Builder, Operation
+from ..dialects.graph_semantics import FLOAT64_ARITH, FLOAT64_UNARY
+from .manager import CompilationUnit, Pass, register_pass
 
 FOLDED_KINDS = ("update", "clip")
 

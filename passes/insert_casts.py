@@ -34,10 +34,10 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation, Value
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
+from ..diagnostics import SxError
+from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Value
+from .manager import CompilationUnit, Pass, register_pass
 
 POLICIES = ("auto", "f32", "bf16")
 CAST_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")

@@ -23,11 +23,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TextIO
 
 from attrs import define
-from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
 
-from sexpgpu import __version__
-from sexpgpu.diagnostics import Location, display_path
-
+from ..diagnostics import Location, display_path
+from ..dialects.core import Operation, SymbolRef, TensorType
+from ..version import __version__
 from .manager import CompilationUnit, DumpPass, register_pass
 
 FORMAT = "sexpgpu-ir"

@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
-from sexpgpu.frontend.data import SxList, Symbol, element_loc
-from sexpgpu.frontend.evaluator import Evaluator, run_deep
 
-from sexpgpu.diagnostics import Location, SxError
-
+from ..diagnostics import Location, SxError
+from ..frontend.data import SxList, Symbol, element_loc
+from ..frontend.evaluator import Evaluator, run_deep
 from .manager import CompilationUnit, Pass, register_pass
 
 #: Top-level forms the pass evaluates so later forms can use what they define.

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TextIO
 import attrs
 from attrs import define, field
 
-from sexpgpu.diagnostics import SxError, UsageError
+from ..diagnostics import SxError, UsageError
 
 
 @define
@@ -55,11 +55,11 @@ class CompilationUnit:
     def printable(self) -> str:
         """The unit's current IR as text: the module, else the forms."""
         if self.module is not None:
-            from sexpgpu.dialects.printer import print_module
+            from ..dialects.printer import print_module
 
             return print_module(self.module)
         if self.forms is not None:
-            from sexpgpu.frontend.printing import show_form
+            from ..frontend.printing import show_form
 
             return "".join(show_form(f) + "\n" for f in self.forms)
         return self.text or ""
@@ -136,7 +136,7 @@ def _convert_option(pass_cls: type[Pass], attr: attrs.Attribute, raw: str) -> An
 
 def parse_pipeline(text: str) -> list[Pass]:
     """`'canonicalize,cse,fuse{max-nodes=15}'` → pass instances; unknown names are a UsageError."""
-    from sexpgpu.passes import load_all
+    from . import load_all
 
     load_all()
     pipeline = []
@@ -144,7 +144,7 @@ def parse_pipeline(text: str) -> list[Pass]:
         name, _, rest = item.partition("{")
         name = name.strip()
         if name not in PASSES:
-            from sexpgpu.diagnostics import nearest
+            from ..diagnostics import nearest
 
             hint = nearest(name, PASSES)
             raise UsageError(f"unknown pass '{name}'" + (f"; did you mean '{hint}'?" if hint else ""))
@@ -180,7 +180,7 @@ class PassManager:
     timings: list[tuple[str, float, int, int]] = field(factory=list)
 
     def run(self, unit: CompilationUnit) -> None:
-        from sexpgpu.dialects.core import gc_paused
+        from ..dialects.core import gc_paused
 
         # A pipeline's IR stays alive until it ends and its passes free little: cyclic collections
         # would only re-traverse the growing module (a third of GPT-2's training pipeline).

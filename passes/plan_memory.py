@@ -27,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import define
-from sexpgpu.dialects.core import Operation, Value
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
+
+from ..dialects.core import Operation, Value
+from .manager import CompilationUnit, Pass, register_pass
 
 PLANNED_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
 LARGEST = 10

@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
-from sexpgpu.frontend.evaluator import eval_file_lines
 
-from sexpgpu.diagnostics import SxError
-
+from ..diagnostics import SxError
+from ..frontend.evaluator import eval_file_lines
 from .manager import CompilationUnit, Pass, register_pass
 
 

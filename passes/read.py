@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from attrs import define
-from sexpgpu.frontend.reader import read_file, read_text
 
-from sexpgpu.diagnostics import SxError
-
+from ..diagnostics import SxError
+from ..frontend.reader import read_file, read_text
 from .manager import CompilationUnit, Pass, register_pass
 
 

@@ -25,10 +25,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-from sexpgpu.dialects.core import Block, Builder, Operation, TensorType, Value
-from sexpgpu.passes.dce import is_trivially_dead
-
-from sexpgpu.diagnostics import Location
+from ..diagnostics import Location
+from ..dialects.core import Block, Builder, Operation, TensorType, Value
+from .dce import is_trivially_dead
 
 
 class RewritePattern:

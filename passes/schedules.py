@@ -28,9 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sexpgpu.dialects.core import Builder, TensorType, Value
-
-from sexpgpu.diagnostics import Location, SxError
+from ..diagnostics import Location, SxError
+from ..dialects.core import Builder, TensorType, Value
 
 SCALAR = TensorType((), "f32")
 KINDS = ("constant", "linear-warmup", "cosine", "warmup-cosine")

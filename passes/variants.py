@@ -35,11 +35,11 @@ import fnmatch
 from collections.abc import Iterable
 
 from attrs import define
-from sexpgpu.dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
-from sexpgpu.passes.autodiff import GRAD_PREFIX, func_name
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
+from ..diagnostics import SxError
+from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
+from .autodiff import GRAD_PREFIX, func_name
+from .manager import CompilationUnit, Pass, register_pass
 
 REDUCERS = ("mean", "rms", "max", "min", "norm")
 EMITS = ("graph.metric", "graph.counter", "graph.observe")

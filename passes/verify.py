@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from attrs import define
-from sexpgpu.dialects.core import Operation, VerifyError
-from sexpgpu.passes.manager import CompilationUnit, Pass, register_pass
 
-from sexpgpu.diagnostics import SxError
+from ..diagnostics import SxError
+from ..dialects.core import Operation, VerifyError
+from .manager import CompilationUnit, Pass, register_pass
 
 
 class VerificationFailed(SxError):

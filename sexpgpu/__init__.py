@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 if TYPE_CHECKING:
-    from sexpgpu.api import Experiment
-    from sexpgpu.backends.training import RunResult
+    from .api import Experiment
+    from .backends.training import RunResult
 
 
 # The API imports the compiler lazily, so `import sexpgpu` (and every console script) stays fast.
@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 
 def compile(path: str, variant: str | None = None, set: dict[str, Any] | None = None) -> Experiment:  # noqa: A001
     """Compile the experiment at `path` under a selection; see `sexpgpu.api.Experiment`."""
-    from sexpgpu.api import compile as compile_experiment
+    from .api import compile as compile_experiment
 
     return compile_experiment(path, variant, set)
 
 
 def train(path: str, variant: str | None = None, set: dict[str, Any] | None = None, out: str | None = None, **options: Any) -> RunResult:  # noqa: A001
     """Train the experiment at `path` as `sexpgpu run` does; returns how the run ended."""
-    from sexpgpu.backends.training import train as train_experiment
+    from .backends.training import train as train_experiment
 
     return train_experiment(path, variant, set, out, **options)
 

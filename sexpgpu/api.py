@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from sexpgpu.diagnostics import SxError
-from sexpgpu.dialects.core import Operation
+from .diagnostics import SxError
+from .dialects.core import Operation
 
 
 class Experiment:
     """An experiment compiled through the training pipeline."""
 
     def __init__(self, path: str, variant: str | None = None, sets: dict[str, Any] | list[str] | None = None) -> None:
-        from sexpgpu.backends.training import set_flags
-        from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-        from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+        from .backends.training import set_flags
+        from .passes.manager import CompilationUnit, run_pipeline
+        from .passes.pipelines import TRAINING_PIPELINE
 
         self.path = path
         self.unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
@@ -42,7 +42,7 @@ class Experiment:
     @property
     def selection(self) -> dict[str, tuple[Any, str]]:
         """Each knob's selected value and its source: `default`, `variant` or `set`."""
-        from sexpgpu.frontend.selection import plain_value
+        from .frontend.selection import plain_value
 
         return {name: (plain_value(value), source) for name, (value, source) in self.definition.selection.values.items()}
 
@@ -60,7 +60,7 @@ class Experiment:
 
     def init_params(self) -> dict[str, np.ndarray]:
         """Every parameter's initial value, a function of the run seed and its path only."""
-        from sexpgpu.frontend.modules import Init, initial_value
+        from .frontend.modules import Init, initial_value
 
         params = {}
         for op in self._params:
@@ -76,7 +76,7 @@ class Experiment:
         `"train"` returns `{"loss", "grads": {path: array}, "metrics", "counters"}`; an
         evaluation, named by its evaluation, returns its metrics.
         """
-        from sexpgpu.backends.interpreter import compile_graph
+        from .backends.interpreter import compile_graph
 
         func = self._graphs.get(name)
         if func is None:
@@ -101,7 +101,7 @@ class Experiment:
 
     def report(self) -> dict[str, Any]:
         """The explain document (what `sexpgpu explain --json` prints)."""
-        from sexpgpu.report import build_document
+        from .report import build_document
 
         return build_document(self.module, self.unit.facts, self.path)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sexpgpu.diagnostics import SxError, UsageError
+from .diagnostics import SxError, UsageError
 
 DEVICES = ("cpu", "cuda")
 

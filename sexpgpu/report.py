@@ -13,9 +13,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sexpgpu import __version__
-from sexpgpu.diagnostics import display_path
-from sexpgpu.dialects.core import Operation, SymbolRef, TensorType
+from .diagnostics import display_path
+from .dialects.core import Operation, SymbolRef, TensorType
+from .version import __version__
 
 #: The order op families are listed in (the graph dialect's families).
 FAMILY_ORDER = (

@@ -11,10 +11,9 @@ import argparse
 import json
 import sys
 
-from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-from sexpgpu.passes.pipelines import TRAINING_PIPELINE
-
-from sexpgpu.diagnostics import display_path
+from ..diagnostics import display_path
+from ..passes.manager import CompilationUnit, run_pipeline
+from ..passes.pipelines import TRAINING_PIPELINE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,9 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from sexpgpu.tools.explain_cmd import compile_unit
-
-from sexpgpu.report import build_document, human_count, show_shape, show_value, step_rows
+from ..report import build_document, human_count, show_shape, show_value, step_rows
+from .explain_cmd import compile_unit
 
 #: Rows a section prints before summarising the rest as a count.
 MAX_ROWS = 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sexpgpu.frontend.evaluator import eval_file_lines
+from ..frontend.evaluator import eval_file_lines
 
 
 def run(args: argparse.Namespace) -> int:

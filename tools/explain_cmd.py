@@ -11,11 +11,10 @@ import argparse
 import sys
 from typing import TextIO
 
-from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-from sexpgpu.passes.pipelines import TRAINING_PIPELINE
-from sexpgpu.tools.common import add_device_flag
-
-from sexpgpu.devices import require_available
+from ..devices import require_available
+from ..passes.manager import CompilationUnit, run_pipeline
+from ..passes.pipelines import TRAINING_PIPELINE
+from .common import add_device_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

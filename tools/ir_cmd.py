@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from sexpgpu.tools.explain_cmd import compile_unit
+from .explain_cmd import compile_unit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

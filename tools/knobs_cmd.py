@@ -12,10 +12,9 @@ import json
 import sys
 from typing import Any
 
-from sexpgpu.frontend.evaluator import Evaluator
-from sexpgpu.frontend.selection import Selection, plain_value, show_value
-
-from sexpgpu.diagnostics import display_path
+from ..diagnostics import display_path
+from ..frontend.evaluator import Evaluator
+from ..frontend.selection import Selection, plain_value, show_value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import gc
 import importlib
 import sys
 
-from sexpgpu.tools.common import add_selection_flags, guarded
+from .common import add_selection_flags, guarded
 
 #: verb → (module under sexpgpu.tools providing `add_arguments(parser)` (optional) and `run(args) -> int`, help)
 VERBS = {
@@ -33,7 +33,7 @@ _NO_SELECTION = {"plot"}
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen verb's module is imported, so `--help` stays fast."""
     parser = argparse.ArgumentParser(prog="sexpgpu", description="Compile and run deep-learning experiments written as S-expressions.")
-    from sexpgpu import __version__
+    from ..version import __version__
 
     parser.add_argument("--version", action="version", version=f"sexpgpu {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
@@ -52,7 +52,7 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
-        from sexpgpu.dialects.core import tune_gc_for_large_ir
+        from ..dialects.core import tune_gc_for_large_ir
 
         tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         words = sys.argv[1:] if argv is None else argv

@@ -20,9 +20,9 @@ import re
 import sys
 
 from attrs import define, field
-from sexpgpu.tools.common import add_selection_flags, guarded
 
-from sexpgpu.diagnostics import Location, SxError, UsageError, remember_source
+from ..diagnostics import Location, SxError, UsageError, remember_source
+from .common import add_selection_flags, guarded
 
 _SPLIT_MARKER = {False: re.compile(r"^//\s*-----\s*$"), True: re.compile(r"^;+\s*-----\s*$")}
 _EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+|above|below))?\s*\{\{(.*?)\}\}")
@@ -79,8 +79,8 @@ class ChunkResult:
 
 
 def list_passes() -> str:
-    from sexpgpu.passes import load_all
-    from sexpgpu.passes.manager import PASSES
+    from ..passes import load_all
+    from ..passes.manager import PASSES
 
     load_all()
     width = max((len(n) for n in PASSES), default=0)
@@ -192,9 +192,9 @@ class Opt:
     args: argparse.Namespace
 
     def run_chunk(self, text: str, path: str, is_sx: bool) -> ChunkResult:
-        from sexpgpu.dialects.parser import parse_module
-        from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
-        from sexpgpu.passes.verify import verify_module
+        from ..dialects.parser import parse_module
+        from ..passes.manager import CompilationUnit, PassManager, parse_pipeline
+        from ..passes.verify import verify_module
 
         args = self.args
         result = ChunkResult()
@@ -270,8 +270,8 @@ class Opt:
         return status
 
     def check_pass_names(self) -> None:
-        from sexpgpu.passes import load_all
-        from sexpgpu.passes.manager import PASSES, parse_pipeline
+        from ..passes import load_all
+        from ..passes.manager import PASSES, parse_pipeline
 
         load_all()
         parse_pipeline(self.args.pipeline)  # a usage error now rather than once per chunk
@@ -292,7 +292,7 @@ class Opt:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from sexpgpu.dialects.core import tune_gc_for_large_ir
+    from ..dialects.core import tune_gc_for_large_ir
 
     tune_gc_for_large_ir()
     return guarded(lambda: Opt(args).main())

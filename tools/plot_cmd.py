@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sexpgpu.backends.events import read_events
-
-from sexpgpu.diagnostics import SxError, display_path
+from ..backends.events import read_events
+from ..diagnostics import SxError, display_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sexpgpu.backends.training import train
-from sexpgpu.tools.common import add_device_flag
+from ..backends.training import train
+from .common import add_device_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

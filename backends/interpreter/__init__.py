@@ -5,13 +5,13 @@
     result.outputs["loss"], result.metrics, result.counters, result.observed
 """
 
-from sexpgpu.backends.interpreter.compiler import (
+from .compiler import (
     CompiledGraph,
     GraphInputError,
     GraphResult,
     InputSpec,
     compile_graph,
 )
-from sexpgpu.backends.interpreter.dtypes import FLOAT_MODES
+from .dtypes import FLOAT_MODES
 
 __all__ = ["FLOAT_MODES", "CompiledGraph", "GraphInputError", "GraphResult", "InputSpec", "compile_graph"]

@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 from attrs import define, frozen
-from sexpgpu.backends.interpreter.dtypes import DtypePolicy
-from sexpgpu.backends.interpreter.kernels import batch_summed_matmul, constant_value, kernel_for
-from sexpgpu.dialects.core import Operation, TensorType, Value
 
-from sexpgpu.diagnostics import SxError
+from ...diagnostics import SxError
+from ...dialects.core import Operation, TensorType, Value
+from .dtypes import DtypePolicy
+from .kernels import batch_summed_matmul, constant_value, kernel_for
 
 #: Ops whose result is a view of their operand's storage.
 VIEW_OPS = frozenset(

@@ -10,8 +10,9 @@ so finite differences are precise.
 from __future__ import annotations
 
 import numpy as np
-from sexpgpu.dialects.core import FLOAT_DTYPES
-from sexpgpu.dialects.graph_semantics import numpy_dtypes
+
+from ...dialects.core import FLOAT_DTYPES
+from ...dialects.graph_semantics import numpy_dtypes
 
 #: The dialect dtypes' numpy dtypes (one table, shared with the folding passes).
 _STORAGE = {name: np.dtype(scalar) for name, scalar in numpy_dtypes().items()}

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 from attrs import frozen
-from sexpgpu.backends.interpreter.dtypes import DtypePolicy
-from sexpgpu.backends.interpreter.erf import erf, erf_f32
-from sexpgpu.dialects.core import Operation
-from sexpgpu.dialects.graph_semantics import numpy_binary, numpy_unary
+
+from ...dialects.core import Operation
+from ...dialects.graph_semantics import numpy_binary, numpy_unary
+from .dtypes import DtypePolicy
+from .erf import erf, erf_f32
 
 
 @frozen
