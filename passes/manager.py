@@ -135,7 +135,7 @@ def _convert_option(pass_cls: type[Pass], attr: attrs.Attribute, raw: str) -> An
 
 
 def parse_pipeline(text: str) -> list[Pass]:
-    """`'canonicalize,cse,fuse{max-nodes=15}'` → pass instances; unknown names are a UsageError."""
+    """`'canonicalize,cse,insert-casts{policy=bf16}'` → pass instances; unknown names are a UsageError."""
     from . import load_all
 
     load_all()

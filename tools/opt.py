@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("file", nargs="?", default="-", help="input file; '-' (the default) reads stdin")
     parser.add_argument("-p", "--pipeline", default="", metavar="PIPELINE",
-                        help="comma-separated passes, e.g. 'canonicalize,cse,dce' or 'fuse{max-nodes=15}'")
+                        help="comma-separated passes, e.g. 'canonicalize,cse,dce' or 'insert-casts{policy=bf16}'")
     parser.add_argument("-o", dest="output", metavar="OUT", help="write the result here instead of stdout")
     parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
     parser.add_argument("--print-ir-after", action="append", default=[], metavar="NAME",
