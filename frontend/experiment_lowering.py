@@ -55,13 +55,14 @@ class ExperimentLowering:
 
         Tracing runs .sx code: call it inside `run_deep`, as the evaluator does.
         """
-        run = self.definition.run
+        definition = self.definition
+        run = definition.run
         if run is None:
             raise SxError("the experiment has no defrun: add (defrun :steps … :loader … :objective … :optimizer …)", Location(path, 1, 1))
-        self.definition.selection.check_command_line()
+        definition.selection.check_command_line()
         group_ops = self._group_ops(run.optimizer)
         train = self._trace_train(run)
-        if not self.definition.params:
+        if not definition.params:
             raise SxError(
                 "the experiment has no parameters for the optimizer to train: register them with "
                 "(param name [dims]) in a defmodule that defmodel builds",
@@ -72,23 +73,23 @@ class ExperimentLowering:
         body = module.body
         body.append(_exp_op(
             "exp.selection",
-            self.definition.selection.loc,
-            variant=self.definition.selection.variant,
-            knobs={k: [plain_value(v), src] for k, (v, src) in self.definition.selection.values.items()},
+            definition.selection.loc,
+            variant=definition.selection.variant,
+            knobs={k: [plain_value(v), src] for k, (v, src) in definition.selection.values.items()},
         ))  # fmt: skip
-        for p in self.definition.params.values():
+        for p in definition.params.values():
             body.append(_exp_op(
                 "exp.param", p.loc, path=p.path, type=TensorType(p.shape, p.dtype),
-                init=p.init.as_attribute(), group=self.definition.groups[p.path],
+                init=p.init.as_attribute(), group=definition.groups[p.path],
             ))  # fmt: skip
-        for loader in self.definition.loaders.values():
+        for loader in definition.loaders.values():
             body.append(_loader_op(loader))
         for op in group_ops:
             body.append(op)
         for ev in run.evaluations:
             body.append(_exp_op("exp.evaluation", ev.loc, name=ev.name, loader=ev.loader.name, every=ev.every, graph=SymbolRef(ev.name)))
         listed = {d.name for d in run.diagnostics}
-        for diag in self.definition.diagnostics.values():
+        for diag in definition.diagnostics.values():
             self._check_diagnostic(diag, train)
             body.append(_exp_op(
                 "exp.diagnostic", diag.loc, name=diag.name, of={"kind": diag.of.kind, "glob": diag.of.glob},
