@@ -55,6 +55,29 @@ def print_location(loc: Location | None) -> str:
     return "loc(" + " via ".join(parts) + ")"
 
 
+def attribute_json(value: Any) -> Any:
+    """An attribute value as JSON data, as the JSON reports write it: tensor types as
+    `{"shape", "dtype"}`, symbols by name, non-finite floats (which JSON lacks) as the
+    strings "inf", "-inf" and "nan"; any other object as its text."""
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (list, tuple)):
+        return [attribute_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): attribute_json(v) for k, v in value.items()}
+    if isinstance(value, TensorType):
+        return {"shape": list(value.shape), "dtype": value.dtype}
+    if isinstance(value, SymbolRef):
+        return value.name
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    return str(value)
+
+
 def print_attribute(value: Any) -> str:
     """One attribute value in the textual form."""
     # bool before int: True is an int in Python.

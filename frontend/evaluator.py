@@ -9,8 +9,14 @@ defines a global (the session's top-level environment, shared with required
 files). Macros are expanded during analysis, so a macro must be defined before
 the forms that use it are evaluated.
 
+This module holds the machinery and the registries; it imports none of the
+modules that fill them. The core special forms are in `special_forms`, the
+builtins in `builtins`, `tracer`, `modules` and `experiment_forms`; `library`
+puts them together, and importing the package does that (see `library`).
+
 Extension points for the layers above (the experiment language):
 
+- `core_form`: the analyser of a core special form (`special_forms` registers them).
 - `register_builtin` / `@builtin`: Python functions by name, optionally given the
   call's `Location` and the call's `:key value` pairs as Python keyword arguments.
 - `register_special_form`: forms that receive their arguments unevaluated, with an
@@ -23,16 +29,15 @@ Extension points for the layers above (the experiment language):
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from ..diagnostics import Location, SxError
+from ..diagnostics import Location, SxError, nearest, source_line
 from .data import (
     QUASIQUOTE,
     QUOTE,
@@ -46,6 +51,7 @@ from .data import (
     Symbol,
     element_loc,
 )
+from .printing import show
 from .reader import read_file, read_text
 
 #: Nested calls of .sx functions allowed before a located "too deep" error.
@@ -198,7 +204,7 @@ class Closure:
         if len(args) < nreq:
             missing = spec.required[len(args)]
             raise SxError(
-                f"{self.describe()} expects {_count(nreq, 'argument')}{' and more' if spec.rest else ''}, "
+                f"{self.describe()} expects {counted(nreq, 'argument')}{' and more' if spec.rest else ''}, "
                 f"got {len(args)}: missing '{missing}'",
                 loc,
             )
@@ -213,7 +219,7 @@ class Closure:
         else:
             if extra and not spec.rest:
                 raise SxError(
-                    f"{self.describe()} expects {_count(nreq, 'argument')}, got {len(args)}: "
+                    f"{self.describe()} expects {counted(nreq, 'argument')}, got {len(args)}: "
                     f"extra argument {show(extra[0])}",
                     loc,
                 )
@@ -232,12 +238,12 @@ class Closure:
             if not isinstance(key, Keyword):
                 raise SxError(
                     f"{self.describe()} expects keyword arguments (:name value) after "
-                    f"{_count(len(self.spec.required), 'positional argument')}, got {show(key)}",
+                    f"{counted(len(self.spec.required), 'positional argument')}, got {show(key)}",
                     loc,
                 )
             slot = self.key_slots.get(key.name)
             if slot is None:
-                hint = suggest(key.name, self.spec.keys)
+                hint = nearest(key.name, self.spec.keys)
                 known = " ".join(":" + k for k in self.spec.keys)
                 raise SxError(
                     f"{self.describe()} has no keyword argument ':{key.name}'"
@@ -305,9 +311,9 @@ class Builtin:
         n = len(args)
         if n < self.min_args or (self.max_args is not None and n > self.max_args):
             if self.max_args == self.min_args:
-                expected = _count(self.min_args, "argument")
+                expected = counted(self.min_args, "argument")
             elif self.max_args is None:
-                expected = f"at least {_count(self.min_args, 'argument')}"
+                expected = f"at least {counted(self.min_args, 'argument')}"
             else:
                 expected = f"{self.min_args} to {self.max_args} arguments"
             if n < self.min_args:
@@ -351,7 +357,7 @@ class Builtin:
                 raise SxError(f"'{self.name}' expects ':name value' pairs after {show(tail[0])}, got {show(key)}", loc)
             name = key.name.replace("-", "_")
             if not self.any_keyword and name not in self.keywords:
-                hint = suggest(name, self.keywords)
+                hint = nearest(name, self.keywords)
                 raise SxError(
                     f"'{self.name}' has no keyword argument ':{key.name}'"
                     + (f"; did you mean ':{hint.replace('_', '-')}'?" if hint else ""),
@@ -361,46 +367,7 @@ class Builtin:
         return kwargs
 
 
-def suggest(name: str, candidates: Iterable[str]) -> str | None:
-    """The name to suggest for a misspelt `name`: the nearest by edit distance, else by
-    similarity (so a transposition in a short name, 'lenght' for 'len', still finds it)."""
-    # A name sharing no character with `name` is no spelling of it ('c' is not a misspelt '-').
-    candidates = [c for c in candidates if not set(c).isdisjoint(name)]
-    # Edits allowed: one in a name of up to 3 characters ('mpa' is 'map', 'x' is not 'exp').
-    limit = 1 if len(name) <= 3 else max(2, len(name) // 3)
-    scored_edits = [(_edits(name, c, limit + 1), c) for c in candidates]
-    best_edit = min(scored_edits, default=None)
-    hint = best_edit[1] if best_edit is not None and best_edit[0] <= limit else None
-    if hint is None:
-        scored = [
-            (difflib.SequenceMatcher(None, name, c).ratio(), len(os.path.commonprefix([name, c])), c)
-            for c in candidates
-        ]
-        best = max(scored, default=None)
-        hint = best[2] if best is not None and best[0] >= 0.6 else None
-    return hint
-
-
-def _edits(a: str, b: str, cap: int) -> int:
-    """Edit distance with adjacent transpositions counted as one edit; `cap` once it exceeds it."""
-    if abs(len(a) - len(b)) >= cap:
-        return cap
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        cur = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            cost = a[i - 1] != b[j - 1]
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                cur[j] = min(cur[j], prev2[j - 2] + 1)
-        if min(cur) >= cap:
-            return cap
-        prev2, prev = prev, cur
-    return min(prev[-1], cap)
-
-
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
@@ -410,7 +377,7 @@ def _count(n: int, noun: str) -> str:
 BUILTINS: dict[str, Builtin] = {}
 
 #: Special form name -> analyser(evaluator, form, scope, loc) -> node.
-_CORE_FORMS: dict[str, Callable] = {}
+CORE_FORMS: dict[str, Callable] = {}
 
 #: Special forms registered by other layers: name -> fn(env, args, loc) -> value.
 SPECIAL_FORMS: dict[str, Callable[[Env, list, Location | None], Any]] = {}
@@ -451,9 +418,11 @@ def register_special_form(name: str, fn: Callable[[Env, list, Location | None], 
 SESSION_HOOKS: list[Callable[[Evaluator], None]] = []
 
 
-def _core(name: str) -> Callable[[Callable], Callable]:
+def core_form(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering an analyser `(evaluator, form, scope, loc) -> node` as the core form `name`."""
+
     def register(fn: Callable) -> Callable:
-        _CORE_FORMS[name] = fn
+        CORE_FORMS[name] = fn
         return fn
 
     return register
@@ -632,7 +601,7 @@ class Env:
 
 
 def _is_special(name: str) -> bool:
-    return name in _CORE_FORMS or name in SPECIAL_FORMS
+    return name in CORE_FORMS or name in SPECIAL_FORMS
 
 
 class Evaluator:
@@ -644,9 +613,6 @@ class Evaluator:
         variant: str | None = None,
         sets: list[str] | None = None,
     ) -> None:
-        from . import builtins as _library  # noqa: F401  (registers the standard builtins)
-        from . import experiment as _experiment  # noqa: F401  (the experiment forms, tensors and the prelude)
-
         self.globals: dict[str, Any] = {name: Symbol(name) for name in SELF_EVALUATING_NAMES}
         self.globals.update(BUILTINS)
         if extra_builtins:
@@ -796,7 +762,7 @@ class Evaluator:
             return self._analyze_symbol(form, scope)
         if cls is SxList:
             if not form:
-                return _constant(None)
+                return constant_node(None)
             return self._analyze_list(form, scope)
         if cls is SxVector:
             nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
@@ -805,7 +771,7 @@ class Evaluator:
             nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
             pairs = list(zip(nodes[0::2], nodes[1::2]))
             return lambda f: {k(f): v(f) for k, v in pairs}
-        return _constant(form)
+        return constant_node(form)
 
     def _analyze_symbol(self, sym: Symbol, scope: Scope) -> Callable[[list], Any]:
         name = sym.name
@@ -826,7 +792,7 @@ class Evaluator:
         return global_ref
 
     def unbound(self, name: str, loc: Location | None, scope: Scope) -> SxError:
-        hint = suggest(name, scope.all_names() | set(self.globals) | set(_CORE_FORMS) | set(SPECIAL_FORMS))
+        hint = nearest(name, scope.all_names() | set(self.globals) | set(CORE_FORMS) | set(SPECIAL_FORMS))
         return SxError(f"unbound symbol '{name}'" + (f"; did you mean '{hint}'?" if hint else ""), loc)
 
     def _analyze_list(self, form: SxList, scope: Scope) -> Callable[[list], Any]:
@@ -834,7 +800,7 @@ class Evaluator:
         loc = form.loc
         if head.__class__ is Symbol and scope.lookup(head.name) is None:
             name = head.name
-            core = _CORE_FORMS.get(name)
+            core = CORE_FORMS.get(name)
             if core is not None:
                 return core(self, form, scope, loc)
             special = SPECIAL_FORMS.get(name)
@@ -886,7 +852,7 @@ class Evaluator:
         return make
 
 
-def _constant(value: Any) -> Callable[[list], Any]:
+def constant_node(value: Any) -> Callable[[list], Any]:
     return lambda f: value
 
 
@@ -908,7 +874,7 @@ def _local_ref(depth: int, slot: int) -> Callable[[list], Any]:
 
 def _sequence(nodes: list) -> Callable[[list], Any]:
     if not nodes:
-        return _constant(None)
+        return constant_node(None)
     if len(nodes) == 1:
         return nodes[0]
     init, last = nodes[:-1], nodes[-1]
@@ -965,8 +931,6 @@ def spanned(loc: Location) -> Location:
     """`loc` with an end column spanning the bracketed form that starts there, when it ends on its line."""
     if loc.end_col is not None:
         return loc
-    from ..diagnostics import source_line
-
     line = source_line(loc.file, loc.line)
     if line is None or loc.col < 1 or loc.col > len(line) or line[loc.col - 1] not in "([{":
         return loc
@@ -1038,355 +1002,3 @@ def run_deep(body: Callable[[], Any]) -> Any:
 
 
 _deep = threading.local()
-
-
-# -- special forms ----------------------------------------------------------------------------
-
-
-def _expect(cond: bool, message: str, loc: Location | None) -> None:
-    if not cond:
-        raise SxError(message, loc)
-
-
-def _arity(form: SxList, low: int, high: int | None, usage: str) -> None:
-    n = len(form) - 1
-    if n < low or (high is not None and n > high):
-        raise SxError(f"'{form[0].name}' expects {usage}, got {_count(n, 'form')}", form.loc)
-
-
-@_core(QUOTE)
-def _quote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 1, 1, "one form: (quote x)")
-    return _constant(form[1])
-
-
-@_core(QUASIQUOTE)
-def _quasiquote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 1, 1, "one form: `x")
-    return _template(ev, form[1], scope, 1, element_loc(form, 1))
-
-
-def _template(ev: Evaluator, form: Any, scope: Scope, depth: int, loc: Location | None):
-    """A node building the quasiquoted `form` at nesting `depth` (1 = unquotes are evaluated)."""
-    cls = form.__class__
-    if cls is SxList and form and form[0].__class__ is Symbol:
-        head = form[0].name
-        if head == UNQUOTE or head == UNQUOTE_SPLICING:
-            _arity(form, 1, 1, f"one form: ({head} x)")
-            if head == UNQUOTE_SPLICING and depth == 1:
-                raise SxError("',@' is only allowed inside a list or vector", form.loc)
-            if depth == 1:
-                return ev.analyze(form[1], scope, element_loc(form, 1))
-            inner = _template(ev, form[1], scope, depth - 1, element_loc(form, 1))
-            sym = form[0]
-            return lambda f: SxList([sym, inner(f)])
-        if head == QUASIQUOTE:
-            _arity(form, 1, 1, "one form: `x")
-            inner = _template(ev, form[1], scope, depth + 1, element_loc(form, 1))
-            sym = form[0]
-            return lambda f: SxList([sym, inner(f)])
-    if cls in (SxList, SxVector, SxMap) and form:
-        parts = []  # (splice?, node)
-        for i, item in enumerate(form):
-            item_loc = element_loc(form, i)
-            if (
-                item.__class__ is SxList and len(item) == 2 and item[0].__class__ is Symbol
-                and item[0].name == UNQUOTE_SPLICING and depth == 1
-            ):  # fmt: skip
-                parts.append((True, ev.analyze(item[1], scope, element_loc(item, 1)), item.loc))
-            else:
-                parts.append((False, _template(ev, item, scope, depth, item_loc), item_loc))
-
-        def build(f: list) -> Any:
-            items: list = []
-            for splice, node, where in parts:
-                if splice:
-                    value = node(f)
-                    if value is None:
-                        continue
-                    if not isinstance(value, list):
-                        raise SxError(f"',@' needs a list to splice, got {show(value)}", where)
-                    items.extend(value)
-                else:
-                    items.append(node(f))
-            return cls(items)
-
-        return build
-    return _constant(form)
-
-
-@_core("if")
-def _if(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 2, 3, "(if test then [else])")
-    test, then = ev.analyze(form[1], scope, element_loc(form, 1)), ev.analyze(form[2], scope, element_loc(form, 2))
-    other = ev.analyze(form[3], scope, element_loc(form, 3)) if len(form) > 3 else _constant(None)
-
-    def node(f: list) -> Any:
-        v = test(f)
-        if v is None or v is False or (v.__class__ is SxList and not v):
-            return other(f)
-        return then(f)
-
-    return node
-
-
-def _when_unless(negate: bool):
-    def analyse(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-        _arity(form, 1, None, f"({form[0].name} test body…)")
-        test = ev.analyze(form[1], scope, element_loc(form, 1))
-        body = ev.analyze_body(form, scope, form, 2)
-
-        def node(f: list) -> Any:
-            return body(f) if truthy(test(f)) != negate else None
-
-        return node
-
-    return analyse
-
-
-_CORE_FORMS["when"] = _when_unless(False)
-_CORE_FORMS["unless"] = _when_unless(True)
-
-
-@_core("cond")
-def _cond(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    clauses = []
-    for i, clause in enumerate(form[1:], 1):
-        where = element_loc(form, i)
-        _expect(
-            isinstance(clause, SxList) and len(clause) >= 1,
-            f"cond: each clause is (test body…), got {show(clause)}",
-            where,
-        )
-        test = clause[0]
-        is_else = test.__class__ is Keyword and test.name == "else" or test is True
-        test_node = ev.analyze(test, scope, element_loc(clause, 0))
-        clauses.append((is_else, test_node, ev.analyze_body(clause, scope, clause, 1) if len(clause) > 1 else None))
-
-    def node(f: list) -> Any:
-        for is_else, test, body in clauses:
-            value = True if is_else else test(f)
-            if truthy(value):
-                return body(f) if body is not None else value
-        return None
-
-    return node
-
-
-@_core("do")
-def _do(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    return ev.analyze_body(form, scope, form, 1)
-
-
-def _bindings(form: SxList) -> list[tuple[Symbol, Any, Location | None]]:
-    _arity(form, 1, None, f"({form[0].name} ((name value) …) body…)")
-    bindings = form[1]
-    where = element_loc(form, 1)
-    _expect(
-        bindings is None or isinstance(bindings, SxList),
-        f"{form[0].name}: bindings are a list of (name value), got {show(bindings)}",
-        where,
-    )
-    out = []
-    for i, b in enumerate(bindings or ()):
-        bloc = element_loc(bindings, i)
-        _expect(
-            isinstance(b, SxList) and len(b) == 2 and isinstance(b[0], Symbol),
-            f"{form[0].name}: each binding is (name value), got {show(b)}",
-            bloc,
-        )
-        if form[0].name == "let" and any(b[0] == seen for seen, _, _ in out):
-            # let binds in parallel: a second binding of a name could only be a mistake.
-            raise SxError(f"let: '{b[0].name}' is bound twice", element_loc(b, 0))
-        out.append((b[0], b[1], element_loc(b, 1)))
-    return out
-
-
-def _let_node(slots: list[int], values: list, body: Callable) -> Callable[[list], Any]:
-    pairs = list(zip(slots, values))
-
-    def node(f: list) -> Any:
-        computed = [v(f) for _, v in pairs]
-        for (slot, _), value in zip(pairs, computed):
-            f[slot] = value
-        return body(f)
-
-    return node
-
-
-@_core("let")
-def _let(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    bindings = _bindings(form)
-    values = [ev.analyze(value, scope, where) for _, value, where in bindings]
-    inner = scope.child()
-    slots = [inner.bind(sym.name) for sym, _, _ in bindings]
-    return _let_node(slots, values, ev.analyze_body(form, inner, form, 2))
-
-
-@_core("let*")
-def _let_star(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    inner = scope
-    slots, values = [], []
-    for sym, value, where in _bindings(form):
-        values.append(ev.analyze(value, inner, where))
-        inner = inner.child()
-        slots.append(inner.bind(sym.name))
-    body = ev.analyze_body(form, inner, form, 2)
-    pairs = list(zip(slots, values))
-
-    def node(f: list) -> Any:
-        for slot, value in pairs:
-            f[slot] = value(f)
-        return body(f)
-
-    return node
-
-
-@_core("fn")
-def _fn(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 1, None, "(fn (args…) body…)")
-    return ev.analyze_function(None, form[1], form, 2, scope, loc)
-
-
-def _name_of(form: SxList, what: str) -> Symbol:
-    _expect(
-        len(form) > 1 and isinstance(form[1], Symbol),
-        f"'{form[0].name}' expects a name first: {what}",
-        element_loc(form, 1) if len(form) > 1 else form.loc,
-    )
-    return form[1]
-
-
-@_core("def")
-def _def(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    name = _name_of(form, "(def name value)").name
-    _arity(form, 2, 2, "(def name value)")
-    value_node = ev.analyze(form[2], scope, element_loc(form, 2))
-    g = ev.globals
-
-    def node(f: list) -> Defined:
-        value = value_node(f)
-        if isinstance(value, Closure) and value.name is None:
-            value.name = name
-        g[name] = value
-        return Defined(name, value)
-
-    return node
-
-
-def _body_start(form: SxList) -> int:
-    """Where a defn/defmacro body starts: after an optional docstring."""
-    return 4 if len(form) > 4 and isinstance(form[3], str) else 3
-
-
-@_core("defn")
-def _defn(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    name = _name_of(form, "(defn name (args…) body…)").name
-    _arity(form, 2, None, "(defn name (args…) body…)")
-    g = ev.globals
-    # Bound before the body is analysed is not needed: globals resolve at run time.
-    make = ev.analyze_function(name, form[2], form, _body_start(form), scope, loc)
-
-    def node(f: list) -> Defined:
-        g[name] = fn = make(f)
-        return Defined(name, fn)
-
-    return node
-
-
-@_core("defmacro")
-def _defmacro(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    name = _name_of(form, "(defmacro name (args…) body…)").name
-    _arity(form, 2, None, "(defmacro name (args…) body…)")
-    make = ev.analyze_function(name, form[2], form, _body_start(form), scope, loc)
-    g = ev.globals
-
-    def node(f: list) -> Defined:
-        g[name] = macro = Macro(name, make(f))
-        return Defined(name, macro)
-
-    return node
-
-
-def _and_or(is_and: bool):
-    def analyse(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-        nodes = [ev.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
-
-        def node(f: list) -> Any:
-            value: Any = True if is_and else None
-            for n in nodes:
-                value = n(f)
-                if truthy(value) != is_and:
-                    return value
-            return value
-
-        return node
-
-    return analyse
-
-
-_CORE_FORMS["and"] = _and_or(True)
-_CORE_FORMS["or"] = _and_or(False)
-
-
-@_core("set!")
-def _set(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    sym = _name_of(form, "(set! name value)")
-    _arity(form, 2, 2, "(set! name value)")
-    value_node = ev.analyze(form[2], scope, element_loc(form, 2))
-    address = scope.lookup(sym.name)
-    if address is not None:
-        depth, slot = address
-
-        def set_local(f: list) -> Any:
-            value = value_node(f)
-            target = f
-            for _ in range(depth):
-                target = target[0]
-            target[slot] = value
-            return value
-
-        return set_local
-    g, name = ev.globals, sym.name
-
-    def set_global(f: list) -> Any:
-        if name not in g:
-            raise ev.unbound(name, sym.loc, scope)
-        g[name] = value = value_node(f)
-        return value
-
-    return set_global
-
-
-@_core("require")
-def _require(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 1, 1, '(require "path.sx")')
-    path_node = ev.analyze(form[1], scope, element_loc(form, 1))
-
-    def node(f: list) -> None:
-        target = path_node(f)
-        if not isinstance(target, str):
-            raise SxError(f"require expects a path string, got {show(target)}", element_loc(form, 1))
-        ev.require(target, loc)
-        return None
-
-    return node
-
-
-@_core("assert")
-def _assert(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
-    _arity(form, 1, 2, '(assert test ["message"])')
-    test = ev.analyze(form[1], scope, element_loc(form, 1))
-    message = ev.analyze(form[2], scope, element_loc(form, 2)) if len(form) > 2 else None
-    text = show(form[1])
-
-    def node(f: list) -> None:
-        if not truthy(test(f)):
-            detail = message(f) if message is not None else text
-            raise SxError(f"assertion failed: {detail if isinstance(detail, str) else show(detail)}", loc)
-        return None
-
-    return node
-
-
-from .printing import show  # noqa: E402  (printing imports this module's value classes)

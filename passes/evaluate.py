@@ -2,10 +2,11 @@
 
 Evaluates the unit's text (when it has one: a `--split-input-file` chunk or
 standard input) or else `unit.path`, with the unit's variant and `--set`
-overrides (the prelude first), then traces the run's graphs; the module holds the `exp` ops
-and the `graph.func`s that `dialects/exp.py` documents. The Python-side
-experiment (knob docs, variants, loaders, warnings, traces) is left in
-`unit.facts["experiment"]` for reports.
+overrides (the prelude first), then lowers the definition, tracing the run's
+graphs; the module holds the `exp` ops and the `graph.func`s that
+`dialects/exp.py` documents. The lowering's warnings go to `unit.diagnostics`.
+The Python-side definition (`ExperimentDefinition`: knob docs, variants,
+loaders, warnings, traces) is left in `unit.facts["experiment"]` for reports.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from attrs import define
 from ..diagnostics import SxError
 from ..dialects.core import gc_paused
 from ..frontend.evaluator import Evaluator, run_deep
+from ..frontend.experiment_lowering import ExperimentLowering
 from .manager import CompilationUnit, Pass, register_pass
 
 
@@ -27,7 +29,7 @@ class EvaluatePass(Pass):
     """Evaluates the unit's .sx file and traces its run into `unit.module`.
 
     Guarantees: the module holds the exp ops and graph.funcs the file defines
-    under the unit's selection; `unit.facts["experiment"]` holds the evaluated experiment.
+    under the unit's selection; `unit.facts["experiment"]` holds the evaluated `ExperimentDefinition`.
     """
 
     name: ClassVar[str] = "evaluate"
@@ -42,6 +44,7 @@ class EvaluatePass(Pass):
             if unit.text is not None:
                 evaluator.sources[os.path.abspath(unit.path)] = unit.text
             evaluator.eval_file(unit.path)
-            experiment = evaluator.experiment  # type: ignore[attr-defined]
-            unit.module = run_deep(lambda: experiment.build(unit.path))
-        unit.facts["experiment"] = experiment
+            definition = evaluator.experiment  # type: ignore[attr-defined]
+            lowering = ExperimentLowering(definition, unit.diagnostics)
+            unit.module = run_deep(lambda: lowering.module(unit.path))
+        unit.facts["experiment"] = definition

@@ -26,6 +26,7 @@ from attrs import define
 
 from ..diagnostics import Location, display_path
 from ..dialects.core import Operation, SymbolRef, TensorType
+from ..dialects.printer import attribute_json
 from ..version import __version__
 from .manager import CompilationUnit, DumpPass, register_pass
 
@@ -39,31 +40,10 @@ EXP_LISTS = (("parameters", "exp.param"), ("loaders", "exp.loader"), ("evaluatio
              ("diagnostics", "exp.diagnostic"))
 
 
-def plain(value: Any) -> Any:
-    """An attribute value as JSON data: tensor types as shape and dtype, symbols by name."""
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value in (float("inf"), float("-inf")):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, TensorType):
-        return {"shape": list(value.shape), "dtype": value.dtype}
-    if isinstance(value, SymbolRef):
-        return value.name
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    return str(value)
-
-
 def _unknown_type(value: Any) -> Any:
     """The `default` hook of the fast encoder: attribute types JSON lacks become plain data."""
     if isinstance(value, (TensorType, SymbolRef)):
-        return plain(value)
+        return attribute_json(value)
     return str(value)
 
 
@@ -128,7 +108,7 @@ class _Writer:
         try:
             return "".join(self.fast(value, 0))
         except ValueError:
-            return self._safe.encode(plain(value))
+            return self._safe.encode(attribute_json(value))
 
     def newline(self, depth: int) -> str:
         return "" if self.compact else "\n" + "  " * depth

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TextIO
 import attrs
 from attrs import define, field
 
-from ..diagnostics import SxError, UsageError
+from ..diagnostics import DiagnosticSink, SxError, UsageError, nearest
 
 
 @define
@@ -38,6 +38,8 @@ class CompilationUnit:
     facts: dict[str, Any] = field(factory=dict)
     #: Whether a dump pass wrote the output (so the tool does not also print the IR).
     dumped: bool = False
+    #: The errors, warnings and notes the passes raised, in order (the error that stopped the pipeline last).
+    diagnostics: DiagnosticSink = field(factory=DiagnosticSink)
 
     def require_module(self, pass_name: str) -> Any:
         """The IR module, or a user error saying `pass_name` needs `evaluate` (or textual IR) first."""
@@ -135,7 +137,7 @@ def _convert_option(pass_cls: type[Pass], attr: attrs.Attribute, raw: str) -> An
 
 
 def parse_pipeline(text: str) -> list[Pass]:
-    """`'canonicalize,cse,fuse{max-nodes=15}'` → pass instances; unknown names are a UsageError."""
+    """`'canonicalize,cse,insert-casts{policy=bf16}'` → pass instances; unknown names are a UsageError."""
     from . import load_all
 
     load_all()
@@ -144,8 +146,6 @@ def parse_pipeline(text: str) -> list[Pass]:
         name, _, rest = item.partition("{")
         name = name.strip()
         if name not in PASSES:
-            from ..diagnostics import nearest
-
             hint = nearest(name, PASSES)
             raise UsageError(f"unknown pass '{name}'" + (f"; did you mean '{hint}'?" if hint else ""))
         cls = PASSES[name]
@@ -184,7 +184,7 @@ class PassManager:
 
         # A pipeline's IR stays alive until it ends and its passes free little: cyclic collections
         # would only re-traverse the growing module (a third of GPT-2's training pipeline).
-        with gc_paused():
+        with gc_paused(), unit.diagnostics.raising():
             self._run(unit)
         if self.timing:
             self.log.write(self.timing_report())

@@ -7,12 +7,14 @@ and exit 1. Anything else that escapes is an internal bug and exits 3.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
-from attrs import frozen
+from attrs import define, field, frozen
 
 #: Source text of every file read in this process, so a diagnostic can show its line.
 _SOURCES: dict[str, str] = {}
@@ -143,23 +145,86 @@ def warn(message: str, loc: Location | None = None, stream: TextIO | None = None
     print(render_diagnostic("warning", message, loc), file=stream or sys.stderr)
 
 
+@frozen
+class Diagnostic:
+    """One diagnostic as a sink collected it: "error", "warning" or "note", its message, where."""
+
+    severity: str
+    message: str
+    loc: Location | None
+
+
+@define
+class DiagnosticSink:
+    """The diagnostics of one compilation, in the order they were raised.
+
+    A warning is printed on standard error as it is raised, unless `echo` is off
+    (`sexpgpu-opt --verify-diagnostics` checks them instead). An error stops the
+    compilation: whoever runs it records the error (`raising`) and the tool
+    prints it. An error's notes follow it.
+    """
+
+    echo: bool = True
+    diagnostics: list[Diagnostic] = field(factory=list)
+
+    def warning(self, message: str, loc: Location | None = None) -> None:
+        self.diagnostics.append(Diagnostic("warning", message, loc))
+        if self.echo:
+            warn(message, loc)
+
+    def error(self, err: SxError) -> None:
+        """Record `err` with its notes; an error gathering several (the verifier's) lists them in `errors`."""
+        for single in getattr(err, "errors", [err]):
+            self.diagnostics.append(Diagnostic("error", single.message, single.loc))
+            self.diagnostics.extend(Diagnostic("note", note.message, note.loc) for note in single.notes)
+
+    @contextmanager
+    def raising(self) -> Iterator[None]:
+        """Record the user error that escapes the block, and let it go on."""
+        try:
+            yield
+        except SxError as err:
+            self.error(err)
+            raise
+
+
 def nearest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate closest to `name` by edit distance, if it is close enough to suggest."""
-    best, best_d = None, None
-    for cand in candidates:
-        d = _edit_distance(name, cand)
-        if best_d is None or d < best_d:
-            best, best_d = cand, d
-    if best is not None and best_d is not None and best_d <= max(2, len(name) // 3):
-        return best
-    return None
+    """The candidate to suggest for a misspelt `name` ("did you mean"), or None.
+
+    The nearest by edit distance (an adjacent transposition counts as one edit)
+    within one edit for a name of up to 3 characters ('mpa' is 'map', 'x' is
+    not 'exp') and max(2, len // 3) edits for a longer one; failing that, the
+    most similar by `difflib` ratio (at least 0.6), so a transposition in a short
+    name ('lenght' for 'len') still finds it. A candidate sharing no character
+    with `name` is never suggested ('c' is not a misspelt '-'). Ties are broken
+    by name, so the order of `candidates` does not matter.
+    """
+    candidates = [c for c in candidates if not set(c).isdisjoint(name)]
+    limit = 1 if len(name) <= 3 else max(2, len(name) // 3)
+    best_edit = min(((_edits(name, c, limit + 1), c) for c in candidates), default=None)
+    if best_edit is not None and best_edit[0] <= limit:
+        return best_edit[1]
+    scored = [
+        (difflib.SequenceMatcher(None, name, c).ratio(), len(os.path.commonprefix([name, c])), c) for c in candidates
+    ]
+    best = max(scored, default=None)
+    return best[2] if best is not None and best[0] >= 0.6 else None
 
 
-def _edit_distance(a: str, b: str) -> int:
+def _edits(a: str, b: str, cap: int) -> int:
+    """Edit distance with adjacent transpositions counted as one edit; `cap` once it exceeds it."""
+    if abs(len(a) - len(b)) >= cap:
+        return cap
+    prev2: list[int] = []
     prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        prev = cur
-    return prev[-1]
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        if min(cur) >= cap:
+            return cap
+        prev2, prev = prev, cur
+    return min(prev[-1], cap)

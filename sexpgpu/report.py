@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .diagnostics import display_path
-from .dialects.core import Operation, SymbolRef, TensorType
+from .dialects.core import Operation, TensorType
+from .dialects.printer import attribute_json
 from .version import __version__
 
 #: The order op families are listed in (the graph dialect's families).
@@ -127,23 +128,6 @@ def compress_paths(paths: Iterable[str]) -> list[str]:
 # -- the document -----------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
-    """An attribute value as JSON-able data (symbols by name, tensor types as shape and dtype)."""
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else show_value(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, TensorType):
-        return {"shape": list(value.shape), "dtype": value.dtype}
-    if isinstance(value, SymbolRef):
-        return value.name
-    return str(value)
-
-
 def _exp_ops(module: Operation, name: str) -> list[Operation]:
     return [op for op in module.body.ops if op.name == name]
 
@@ -164,7 +148,7 @@ def _graph_title(func: Operation) -> str:
 
 def _selection(module: Operation) -> dict[str, Any]:
     attrs = _one(module, "exp.selection").attributes
-    knobs = [{"name": name, "value": _plain(value), "source": source} for name, (value, source) in attrs["knobs"].items()]
+    knobs = [{"name": name, "value": attribute_json(value), "source": source} for name, (value, source) in attrs["knobs"].items()]
     return {"variant": attrs["variant"], "knobs": knobs}
 
 
@@ -208,7 +192,7 @@ def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[s
                 "members": members,
                 "states": [{"name": k, "elements": v} for k, v in states.items()],
                 "state_elements": sum(states.values()),
-                "constants": sorted(_plain(c) for c in attrs.get("constants", [])),
+                "constants": sorted(attribute_json(c) for c in attrs.get("constants", [])),
             }
         )
     return out
@@ -328,7 +312,7 @@ def _diagnostics(module: Operation, graphs: list[dict[str, Any]]) -> list[dict[s
         out.append(
             {
                 "name": attrs["name"],
-                "of": _plain(attrs["of"]),
+                "of": attribute_json(attrs["of"]),
                 "reducer": attrs["reducer"],
                 "every": attrs["every"],
                 "graphs": diagnosed if enabled else [],
@@ -356,7 +340,7 @@ def _precision(run: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
 def build_document(module: Operation, facts: dict[str, Any], path: str | None) -> dict[str, Any]:
     """The explain document of an evaluated experiment module and the facts its passes left."""
     params = _exp_ops(module, "exp.param")
-    run = _plain(_one(module, "exp.run").attributes)
+    run = attribute_json(_one(module, "exp.run").attributes)
     funcs = [op for op in module.body.ops if op.name == "graph.func"]
     graphs_by_kind: dict[str, Operation] = {}
     for func in funcs:

@@ -13,7 +13,6 @@ Exit status: 0 success, 1 diagnostics, 2 usage, 3 internal error.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import os
 import re
@@ -21,12 +20,11 @@ import sys
 
 from attrs import define, field
 
-from ..diagnostics import Location, SxError, UsageError, remember_source
+from ..diagnostics import Diagnostic, Location, SxError, UsageError, remember_source
 from .common import add_selection_flags, guarded
 
 _SPLIT_MARKER = {False: re.compile(r"^//\s*-----\s*$"), True: re.compile(r"^;+\s*-----\s*$")}
 _EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+|above|below))?\s*\{\{(.*?)\}\}")
-_RENDERED = re.compile(r"^(.+?):(\d+):(\d+): (error|warning|note): (.*)$")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("file", nargs="?", default="-", help="input file; '-' (the default) reads stdin")
     parser.add_argument("-p", "--pipeline", default="", metavar="PIPELINE",
-                        help="comma-separated passes, e.g. 'canonicalize,cse,dce' or 'fuse{max-nodes=15}'")
+                        help="comma-separated passes, e.g. 'canonicalize,cse,dce' or 'insert-casts{policy=bf16}'")
     parser.add_argument("-o", dest="output", metavar="OUT", help="write the result here instead of stdout")
     parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
     parser.add_argument("--print-ir-after", action="append", default=[], metavar="NAME",
@@ -51,13 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list-passes", action="store_true", help="list the registered passes and exit")
     add_selection_flags(parser)
     return parser
-
-
-@define
-class Diagnostic:
-    severity: str
-    loc: Location | None
-    message: str
 
 
 @define
@@ -137,15 +128,6 @@ def expectations(text: str) -> list[Expectation]:
     return found
 
 
-def diagnostics_of(err: SxError) -> list[Diagnostic]:
-    """An error (or every error of a VerificationFailed) with its notes, as diagnostics."""
-    out = []
-    for single in getattr(err, "errors", [err]):
-        out.append(Diagnostic("error", single.loc, single.message))
-        out.extend(Diagnostic("note", note.loc, note.message) for note in single.notes)
-    return out
-
-
 def _same_file(loc: Location | None, path: str) -> bool:
     return loc is not None and (loc.file == path or os.path.abspath(loc.file) == os.path.abspath(path))
 
@@ -192,6 +174,10 @@ class Opt:
     args: argparse.Namespace
 
     def run_chunk(self, text: str, path: str, is_sx: bool) -> ChunkResult:
+        """Parse (textual IR) and run the pipeline on one chunk; its diagnostics are those the unit collected.
+
+        Under `--verify-diagnostics` warnings are not printed: they are checked.
+        """
         from ..dialects.parser import parse_module
         from ..passes.manager import CompilationUnit, PassManager, parse_pipeline
         from ..passes.verify import verify_module
@@ -200,6 +186,8 @@ class Opt:
         result = ChunkResult()
         report = io.StringIO()
         unit = CompilationUnit(path=path, text=text, variant=args.variant, sets=list(args.set), out=report)
+        unit.diagnostics.echo = not args.verify_diagnostics
+        result.diagnostics = unit.diagnostics.diagnostics
         manager = PassManager(
             parse_pipeline(args.pipeline),
             print_before=set(args.print_ir_before),
@@ -211,32 +199,16 @@ class Opt:
         )
         try:
             if not is_sx:
-                unit.module = parse_module(text, path, verify=False)
-                verify_module(unit.module)
+                with unit.diagnostics.raising():
+                    unit.module = parse_module(text, path, verify=False)
+                    verify_module(unit.module)
             manager.run(unit)
         except SxError as err:
-            result.diagnostics = diagnostics_of(err)
             result.failure = err.render()
             # What a dump pass wrote before the failure stays (print-values: the values of the forms before it).
             result.output = report.getvalue() if unit.dumped else ""
             return result
         result.output = report.getvalue() + ("" if unit.dumped else unit.printable())
-        return result
-
-    def run_chunk_capturing(self, text: str, path: str, is_sx: bool) -> ChunkResult:
-        """Run a chunk collecting the warnings it prints too; other stderr text passes through."""
-        captured = io.StringIO()
-        with contextlib.redirect_stderr(captured):
-            result = self.run_chunk(text, path, is_sx)
-        passthrough = []
-        for line in captured.getvalue().splitlines():
-            m = _RENDERED.match(line)
-            if m and m.group(4) in ("warning", "note"):
-                loc = Location(m.group(1), int(m.group(2)), int(m.group(3)))
-                result.diagnostics.append(Diagnostic(m.group(4), loc, m.group(5)))
-            else:
-                passthrough.append(line + "\n")
-        sys.stderr.write("".join(passthrough))
         return result
 
     def main(self) -> int:
@@ -252,18 +224,16 @@ class Opt:
         chunks = split_chunks(text, is_sx) if args.split_input_file else [text]
         outputs, status = [], 0
         for chunk in chunks:
+            result = self.run_chunk(chunk, path, is_sx)
             if args.verify_diagnostics:
-                result = self.run_chunk_capturing(chunk, path, is_sx)
                 complaints = check_expectations(path, expectations(chunk), result.diagnostics)
                 if complaints:
                     print("\n".join(complaints), file=sys.stderr)
                     status = 1
-            else:
-                result = self.run_chunk(chunk, path, is_sx)
-                if result.failure is not None:
-                    sys.stdout.flush()
-                    print(result.failure, file=sys.stderr)
-                    status = 1
+            elif result.failure is not None:
+                sys.stdout.flush()
+                print(result.failure, file=sys.stderr)
+                status = 1
             if result.failure is None or result.output:
                 outputs.append(result.output)
         self.write("// -----\n".join(outputs))

@@ -1,399 +1,65 @@
-"""The experiment forms (language.md §3) and the traced experiment they add up to.
+"""The experiment forms (language.md §3): `defknobs`, `defvariant`, `defloader`, `defoptimizer`,
+`defevaluation`, `defdiagnostic`, `defrun`, the emits, and the builtins they take as values.
 
-Each evaluator session gets an `Experiment` (see `install`, run for every new
-`Evaluator`): the special forms below fill it as the file is evaluated, and
-`Experiment.build()` then traces `prepare` + `objective` into `graph.func
-@train` and each evaluation of the run into its own `graph.func`, and writes
-the `exp` ops that `dialects/exp.py` documents.
+Each evaluator session gets an `ExperimentDefinition` (see `install`, run for
+every new `Evaluator`): the forms below check their options and fill it with
+the records of `experiment_definitions` as the file is evaluated; the
+`evaluate` pass then lowers it (`experiment_lowering`).
 
 What the forms print under `sexpgpu eval`: `defknobs`, a variant's name,
 `name = #<loader 1 fields, batch 4>`, `name = #<optimizer adamw>`, an
 evaluation's or a diagnostic's name, `defrun = #<run 300 steps>`.
-
-Choices the spec leaves open: an optimizer group whose glob matches no
-parameter is a warning (a variant may drop the parameters it names); a
-diagnostic whose glob matches nothing is an error (it could never report
-anything); a loader field no graph reads is a warning. Counters and
-observations are recorded in the train graph only: evaluation graphs carry
-their metrics. The train graph keeps every `graph.observe`; the `diagnose`
-pass decides which the diagnosed graph needs and removes them from `train`.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from pathlib import Path
 from typing import Any
 
-from attrs import define, field
-
-from ..diagnostics import Location, SxError, nearest, warn
-from ..dialects.core import Operation, Region, SymbolRef, TensorType
+from ..diagnostics import Location, SxError, nearest
 from . import modules
-from .data import Keyword, SxList, Symbol, TensorLike, element_loc
+from .data import Keyword, SxList, Symbol, element_loc
 from .evaluator import (
-    SESSION_HOOKS,
     Builtin,
     BuiltinError,
     Closure,
     Defined,
     Env,
-    invoke,
     register_builtin,
     register_special_form,
 )
-from .modules import Init, ModelTree, Param, Shown, symbol_arg
+from .experiment_definitions import (
+    REDUCERS,
+    Checkpoints,
+    DiagnosticDef,
+    DiagnosticSource,
+    EvaluationDef,
+    ExperimentDefinition,
+    FieldDef,
+    GroupSpec,
+    LoaderDef,
+    OptimizerSpec,
+    RunDef,
+    Schedule,
+    Source,
+)
+from .modules import Init, Shown, symbol_arg
 from .printing import show
-from .selection import Knob, Selection, Variant, plain_value
-from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, as_tensor, describe, dtype_name, tracing
+from .selection import Knob, Selection, Variant
+from .tracer import EMITS, dtype_name
 
 PRELUDE_PATH = str(Path(__file__).with_name("prelude.sx"))
 
-REDUCERS = ("mean", "rms", "max", "min", "norm")
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
-    "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
-    "sgd": {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
-}
 
-
-# -- values the forms make ---------------------------------------------------------------------
-
-
-@define
-class Source:
-    """A loader's source: `{kind, path | vocab count seed branch, …}` as the loader backend takes it."""
-
-    kind: str
-    options: dict[str, Any]
-
-    def __sx_repr__(self) -> str:
-        return f"#<source {self.kind}>"
-
-
-@define
-class FieldDef:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@define
-class LoaderDef:
-    name: str
-    source: Source
-    fields: list[FieldDef]
-    batch: int
-    shuffle: bool
-    seed: int | None
-    loc: Location | None
-
-    def __sx_repr__(self) -> str:
-        return f"#<loader {len(self.fields)} fields, batch {self.batch}>"
-
-    def as_op(self) -> Operation:
-        return _exp_op(
-            "exp.loader",
-            self.loc,
-            name=self.name,
-            source={"kind": self.source.kind, **self.source.options},
-            fields=[{"name": f.name, "shape": list(f.shape), "dtype": NAME_OF_DTYPE[f.dtype]} for f in self.fields],
-            batch=self.batch,
-            shuffle=self.shuffle,
-            seed=self.seed,
-        )
-
-
-@define
-class Schedule:
-    """A learning-rate schedule as data; `build-updates` turns it into ops on the step."""
-
-    kind: str
-    options: dict[str, float]
-
-    def __sx_repr__(self) -> str:
-        return f"#<schedule {self.kind}>"
-
-    def as_attribute(self) -> dict[str, Any]:
-        return {"kind": self.kind, **self.options}
-
-
-@define
-class GroupSpec:
-    glob: str
-    hyper: dict[str, Any]
-    loc: Location | None
-
-    def __sx_repr__(self) -> str:
-        return f"#<group {self.glob}>"
-
-
-@define
-class OptimizerSpec:
-    kind: str
-    hyper: dict[str, Any]
-    clip: float | None
-    groups: list[GroupSpec]
-    loc: Location | None
-    name: str = ""
-
-    def __sx_repr__(self) -> str:
-        return f"#<optimizer {self.kind}>"
-
-
-@define
-class DiagnosticSource:
-    kind: str
-    glob: str
-
-    def __sx_repr__(self) -> str:
-        return f'#<{self.kind} "{self.glob}">'
-
-
-@define
-class EvaluationDef:
-    name: str
-    loader: LoaderDef
-    every: int
-    fn: Any
-    loc: Location | None
-
-    def __sx_repr__(self) -> str:
-        return f"#<evaluation {self.name}>"
-
-
-@define
-class DiagnosticDef:
-    name: str
-    of: DiagnosticSource
-    reducer: str
-    every: int
-    when: bool
-    loc: Location | None
-
-    def __sx_repr__(self) -> str:
-        return f"#<diagnostic {self.name}>"
-
-
-@define
-class Checkpoints:
-    every: int
-
-    def __sx_repr__(self) -> str:
-        return f"#<checkpoints every {self.every}>"
-
-
-@define
-class RunDef:
-    steps: int
-    loader: LoaderDef
-    microbatches: int
-    prepare: Any
-    objective: Any
-    optimizer: OptimizerSpec
-    evaluations: list[EvaluationDef]
-    diagnostics: list[DiagnosticDef]
-    checkpoints: int | None
-    precision: str
-    seed: int
-    loc: Location | None
-    #: Where each option was written, for errors about it.
-    option_locs: dict[str, Location | None] = field(factory=dict)
-
-    def __sx_repr__(self) -> str:
-        return f"#<run {self.steps} steps>"
-
-
-# -- the session's experiment ------------------------------------------------------------------
-
-
-@define
-class Experiment:
-    """Everything a file defines, in definition order, and the module built from it."""
-
-    selection: Selection
-    tree: ModelTree
-    loaders: dict[str, LoaderDef] = field(factory=dict)
-    optimizers: dict[str, OptimizerSpec] = field(factory=dict)
-    evaluations: dict[str, EvaluationDef] = field(factory=dict)
-    diagnostics: dict[str, DiagnosticDef] = field(factory=dict)
-    run: RunDef | None = None
-    #: Warnings found while building, each (message, location), also printed on standard error.
-    warnings: list[tuple[str, Location | None]] = field(factory=list)
-    #: Parameter path -> optimizer group name, after `build`.
-    groups: dict[str, str] = field(factory=dict)
-    #: Graph name -> its trace, after `build`.
-    traces: dict[str, Trace] = field(factory=dict)
-
-    @property
-    def params(self) -> dict[str, Param]:
-        return self.tree.params
-
-    def warn(self, message: str, loc: Location | None) -> None:
-        self.warnings.append((message, loc))
-        warn(message, loc)
-
-    # -- building --
-
-    def build(self, path: str) -> Operation:
-        """The `builtin.module` of the experiment: exp ops, then the train and evaluation graphs.
-
-        Tracing runs .sx code: call it inside `run_deep`, as the evaluator does.
-        """
-        run = self.run
-        if run is None:
-            raise SxError("the experiment has no defrun: add (defrun :steps … :loader … :objective … :optimizer …)", Location(path, 1, 1))
-        self.selection.check_command_line()
-        group_ops = self._group_ops(run.optimizer)
-        train = self._trace_train(run)
-        if not self.params:
-            raise SxError(
-                "the experiment has no parameters for the optimizer to train: register them with "
-                "(param name [dims]) in a defmodule that defmodel builds",
-                run.option_locs.get("optimizer") or run.loc,
-            )
-        evaluations = [self._trace_evaluation(run, ev) for ev in run.evaluations]
-        module = Operation.create("builtin.module", regions=[Region.with_block()])
-        body = module.body
-        body.append(_exp_op(
-            "exp.selection",
-            self.selection.loc,
-            variant=self.selection.variant,
-            knobs={k: [plain_value(v), src] for k, (v, src) in self.selection.values.items()},
-        ))  # fmt: skip
-        for p in self.params.values():
-            body.append(_exp_op(
-                "exp.param", p.loc, path=p.path, type=TensorType(p.shape, p.dtype),
-                init=p.init.as_attribute(), group=self.groups[p.path],
-            ))  # fmt: skip
-        for loader in self.loaders.values():
-            body.append(loader.as_op())
-        for op in group_ops:
-            body.append(op)
-        for ev in run.evaluations:
-            body.append(_exp_op("exp.evaluation", ev.loc, name=ev.name, loader=ev.loader.name, every=ev.every, graph=SymbolRef(ev.name)))
-        listed = {d.name for d in run.diagnostics}
-        for diag in self.diagnostics.values():
-            self._check_diagnostic(diag, train)
-            body.append(_exp_op(
-                "exp.diagnostic", diag.loc, name=diag.name, of={"kind": diag.of.kind, "glob": diag.of.glob},
-                reducer=diag.reducer, every=diag.every, enabled=diag.name in listed and diag.when,
-            ))  # fmt: skip
-        body.append(_exp_op(
-            "exp.run", run.loc, steps=run.steps, loader=run.loader.name, microbatches=run.microbatches,
-            precision=run.precision, seed=run.seed, checkpoints=run.checkpoints,
-            evaluations=[e.name for e in run.evaluations], diagnostics=[d.name for d in run.diagnostics],
-        ))  # fmt: skip
-        body.append(train.func)
-        for trace in evaluations:
-            body.append(trace.func)
-        return module
-
-    def _group_ops(self, optimizer: OptimizerSpec) -> list[Operation]:
-        """Assign every parameter to the first group whose glob matches it; the rest is `default`."""
-        members: dict[str, list[str]] = {g.glob: [] for g in optimizer.groups}
-        members["default"] = []
-        for path in self.params:
-            group = next((g.glob for g in optimizer.groups if fnmatch.fnmatchcase(path, g.glob)), "default")
-            members[group].append(path)
-            self.groups[path] = group
-        ops = []
-        for g in [*optimizer.groups, None]:
-            name = g.glob if g is not None else "default"
-            if g is not None and not members[name]:
-                self.warn(f"optimizer group \"{name}\" matches no parameter", g.loc)
-            if g is None and not members[name] and optimizer.groups:
-                continue
-            hyper = {**OPTIMIZER_DEFAULTS[optimizer.kind], **optimizer.hyper, **(g.hyper if g else {})}
-            hyper["lr"] = _schedule_attribute(hyper["lr"])
-            ops.append(_exp_op(
-                "exp.group", g.loc if g else optimizer.loc, name=name, optimizer=optimizer.kind,
-                members=members[name], hyper=hyper, clip=optimizer.clip,
-            ))  # fmt: skip
-        return ops
-
-    def _batch(self, trace: Trace, loader: LoaderDef) -> dict[Keyword, Tensor]:
-        return {
-            Keyword(f.name): trace.input("batch", f.name, TensorType((loader.batch, *f.shape), f.dtype), loader.loc)
-            for f in loader.fields
-        }
-
-    def _inputs(self, trace: Trace, loader: LoaderDef) -> dict[Keyword, Tensor]:
-        """Every parameter (in definition order), then the loader's fields, as graph inputs."""
-        for p in self.params.values():
-            p.trace_value(trace, p.loc)
-        return self._batch(trace, loader)
-
-    def _prepared(self, run: RunDef, batch: dict[Keyword, Tensor]) -> Any:
-        if run.prepare is None:
-            return batch
-        loc = run.option_locs.get("prepare") or run.loc
-        prepared = invoke(run.prepare, [batch], loc)
-        if not isinstance(prepared, dict):
-            raise SxError(f"prepare must return a map of fields for the objective, got {describe(prepared)}", loc)
-        return prepared
-
-    def _trace_train(self, run: RunDef) -> Trace:
-        trace = Trace("train", "train", run.loc)
-        with tracing(trace):
-            batch = self._inputs(trace, run.loader)
-            loc = run.option_locs.get("objective") or run.loc
-            loss = invoke(run.objective, [self._prepared(run, batch)], loc)
-            if not isinstance(loss, TensorLike) or getattr(loss, "shape", None) != ():
-                raise SxError(f"the objective must return a scalar loss tensor, got {describe(loss)}", loc)
-            loss_t = as_tensor(loss, trace, loc, "objective")
-            if loss_t.dtype not in ("f32", "bf16", "f16"):
-                raise SxError(f"the objective must return a float loss, got {NAME_OF_DTYPE.get(loss_t.dtype)}", loc)
-        self._warn_unused_fields(trace, run.loader)
-        trace.finish([("loss", loss_t)], loc)
-        self.traces["train"] = trace
-        return trace
-
-    def _trace_evaluation(self, run: RunDef, ev: EvaluationDef) -> Trace:
-        trace = Trace(ev.name, "evaluation", ev.loc, record_counters=False, record_observations=False)
-        with tracing(trace):
-            batch = self._inputs(trace, ev.loader)
-            invoke(ev.fn, [self._prepared(run, batch)], ev.loc)
-        if not trace.metrics:
-            self.warn(f"evaluation {ev.name} emits no metric: its function should call (metric name value)", ev.loc)
-        trace.finish([], ev.loc)
-        self.traces[ev.name] = trace
-        return trace
-
-    def _warn_unused_fields(self, trace: Trace, loader: LoaderDef) -> None:
-        for f in loader.fields:
-            if not trace.inputs[("batch", f.name)].value.has_uses:
-                self.warn(f"field {f.name} of loader {loader.name} is not used by prepare or the objective", loader.loc)
-
-    def _check_diagnostic(self, diag: DiagnosticDef, train: Trace) -> None:
-        names = train.observed if diag.of.kind == "observed" else list(self.params)
-        if not any(fnmatch.fnmatchcase(n, diag.of.glob) for n in names):
-            what = "observed tensor" if diag.of.kind == "observed" else "parameter"
-            known = ", ".join(sorted(set(names))[:6]) or "none"
-            raise SxError(f"diagnostic {diag.name}: \"{diag.of.glob}\" matches no {what} (there are: {known})", diag.loc)
-
-
-def _exp_op(op_name: str, loc: Location | None, **attributes: Any) -> Operation:
-    return Operation.create(op_name, attributes=attributes, loc=loc)
-
-
-def _schedule_attribute(lr: Any) -> Any:
-    if isinstance(lr, Schedule):
-        return lr.as_attribute()
-    if isinstance(lr, Init) and lr.kind == "constant":
-        return {"kind": "constant", "value": lr.args["value"]}
-    return float(lr)
-
-
-def experiment_of(env: Env) -> Experiment:
+def experiment_of(env: Env) -> ExperimentDefinition:
     return env.evaluator.experiment  # type: ignore[attr-defined]
 
 
 def install(evaluator: Any) -> None:
     """Session hook: a fresh experiment, the model tree, the initializers, then the prelude."""
     modules.install(evaluator)
-    evaluator.experiment = Experiment(Selection(evaluator.variant, list(evaluator.sets)), evaluator.model_tree)
+    evaluator.experiment = ExperimentDefinition(Selection(evaluator.variant, list(evaluator.sets)), evaluator.model_tree)
     evaluator.load_prelude(PRELUDE_PATH)
 
 
@@ -812,4 +478,3 @@ register_builtin("warmup-cosine", _schedule("warmup-cosine", ("warmup", "steps",
 for _kind_name in ("grads", "params", "observed"):
     register_builtin(_kind_name, _diagnostic_source(_kind_name))
 register_builtin("every", _every)
-SESSION_HOOKS.append(install)
