@@ -249,6 +249,11 @@ extern "C" __global__ void exit_before_barrier(float* out, int n) {
     __syncthreads();
 }
 
+extern "C" __global__ void exit_odd_threads(float* out) {
+    if (threadIdx.x % 2) return;
+    __syncthreads();
+}
+
 extern "C" __global__ void two_barriers_one_line(float* out) {
     if (threadIdx.x < 32) __syncthreads(); else __syncthreads();
 }
@@ -539,6 +544,13 @@ def test_exit_before_a_barrier_is_divergence(dev, kernels, schedule):
     assert message == (f"kernel exit_before_barrier, block {block}: __syncthreads divergence, not every thread of "
                        "the block reaches the same barrier: threads 0-39 wait at __syncthreads "
                        f"({_site('exit_before_barrier', '__syncthreads')}); threads 40-63 have exited")
+
+
+def test_a_long_divergence_report_is_cut_short(dev, kernels):
+    message = _fault(dev, kernels.kernel("exit_odd_threads"), 1, 1024, 0, (dev.alloc(4),))
+    assert message.startswith("kernel exit_odd_threads, block (0,0,0): __syncthreads divergence, not every thread "
+                              "of the block reaches the same barrier: threads 0, 2, 4, 6, ")
+    assert len(message) == 4095
 
 
 def test_two_barriers_on_one_line_are_told_apart(dev, kernels):

@@ -655,6 +655,16 @@ inline const unsigned char* find_unpoisoned(const unsigned char* begin, const un
     return nullptr;
 }
 
+// Appends to the text at `out`, never past `end` (a long message is cut short).
+__attribute__((format(printf, 3, 4))) inline void append(char*& out, char* end, const char* fmt, ...) {
+    if (end - out <= 1) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(out, end - out, fmt, ap);
+    va_end(ap);
+    out += n < 0 ? 0 : (n < end - out ? n : end - out - 1);
+}
+
 // "threads 0-31, 64-95" for the set `member` selects.
 template <class Member>
 inline void append_thread_ranges(char*& out, char* end, Member member) {
@@ -663,9 +673,8 @@ inline void append_thread_ranges(char*& out, char* end, Member member) {
         if (!member(t) || (t > 0 && member(t - 1))) continue;
         unsigned last = t;
         while (last + 1 < g.nthreads && member(last + 1)) ++last;
-        int n = last == t ? snprintf(out, end - out, "%s%u", first ? "" : ", ", t)
-                          : snprintf(out, end - out, "%s%u-%u", first ? "" : ", ", t, last);
-        out += n > 0 && n < end - out ? n : 0;
+        if (last == t) append(out, end, "%s%u", first ? "" : ", ", t);
+        else append(out, end, "%s%u-%u", first ? "" : ", ", t, last);
         first = false;
     }
 }
@@ -701,10 +710,10 @@ inline void describe_thread(char* buf, size_t len, const Thread& t) {
 __attribute__((noreturn)) inline void fail_stuck(const char* headline) {
     char* out = g.message + message_prefix(g.message, sizeof g.message);
     char* end = g.message + sizeof g.message;
-    out += snprintf(out, end - out, "%s: ", headline);
+    append(out, end, "%s: ", headline);
     bool grouped[kMaxThreads] = {};
     bool first = true;
-    for (unsigned t = 0; t < g.nthreads && out < end - 1; ++t) {
+    for (unsigned t = 0; t < g.nthreads; ++t) {
         if (grouped[t]) continue;
         const Thread& lead = threads[t];
         auto same = [&](unsigned u) {
@@ -713,14 +722,14 @@ __attribute__((noreturn)) inline void fail_stuck(const char* headline) {
             if (lead.state != kAtBarrier && lead.state != kAtWarpOp) return true;
             return o.op == lead.op && o.site == lead.site;
         };
-        out += snprintf(out, end - out, "%sthreads ", first ? "" : "; ");
+        append(out, end, "%sthreads ", first ? "" : "; ");
         append_thread_ranges(out, end, same);
         for (unsigned u = t; u < g.nthreads; ++u) grouped[u] = grouped[u] || same(u);
         switch (lead.state) {
-            case kExited: out += snprintf(out, end - out, " have exited"); break;
+            case kExited: append(out, end, " have exited"); break;
             default:
-                out += snprintf(out, end - out, " wait at %s (%s:%d:%d)", op_name(lead.op), lead.site.file,
-                                lead.site.line, lead.site.column);
+                append(out, end, " wait at %s (%s:%d:%d)", op_name(lead.op), lead.site.file, lead.site.line,
+                       lead.site.column);
         }
         first = false;
     }
