@@ -1,0 +1,3 @@
+// cuda-sim's stand-in for <cuda_runtime.h>: cuda_sim.h, force-included before the source,
+// already declares what a kernel uses from it.
+#pragma once
