@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..diagnostics import Location, SxError, nearest
+from ..dialects.inits import Init
 from . import modules
 from .data import Keyword, SxList, Symbol, element_loc
 from .evaluator import (
@@ -44,7 +45,7 @@ from .experiment_definitions import (
     Schedule,
     Source,
 )
-from .modules import Init, Shown, symbol_arg
+from .modules import Shown, symbol_arg
 from .printing import show
 from .selection import Knob, Selection, Variant
 from .tracer import EMITS, dtype_name
