@@ -15,6 +15,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from sexpgpu.backends.cuda.nvrtc import DEFAULT_OPTIONS, compile_cubin, nvrtc_toolchain
@@ -181,7 +182,7 @@ def generated_kernels(count: int) -> list[str]:
     return kernels
 
 
-def timed(action) -> tuple[float, object]:
+def timed(action: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
     result = action()
     return time.perf_counter() - start, result

@@ -1,7 +1,8 @@
 """The two ways the CUDA toolchain fails: not installed (the user's to fix) or a rejected kernel (ours).
 
-Both compilers of generated CUDA C (NVRTC here, the host compiler of `cuda-sim`) raise
-`KernelCompileError`, so the code generator attaches a model path to either the same way.
+`KernelCompileError` names its compiler, so the other compiler of generated CUDA C (the host
+compiler of `cuda-sim`) can raise it too and the code generator attaches a model path to either
+the same way.
 """
 
 from __future__ import annotations
