@@ -30,6 +30,7 @@ from attrs import define, field
 
 from ..diagnostics import Location, SxError, nearest, warn
 from ..dialects.core import Operation, Region, SymbolRef, TensorType
+from ..dialects.exp import OPTIMIZER_DEFAULTS, PRECISIONS, REDUCERS
 from . import modules
 from .data import Keyword, SxList, Symbol, TensorLike, element_loc
 from .evaluator import (
@@ -49,13 +50,6 @@ from .selection import Knob, Selection, Variant, plain_value
 from .tracer import EMITS, NAME_OF_DTYPE, Tensor, Trace, as_tensor, describe, dtype_name, tracing
 
 PRELUDE_PATH = str(Path(__file__).with_name("prelude.sx"))
-
-REDUCERS = ("mean", "rms", "max", "min", "norm")
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
-    "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
-    "sgd": {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
-}
 
 
 # -- values the forms make ---------------------------------------------------------------------
@@ -583,7 +577,7 @@ def _defloader(env: Env, args: list, loc: Location | None) -> Defined:
 
 # -- optimizers --------------------------------------------------------------------------------
 
-_HYPER_KEYS = {"adamw": ("betas", "eps", "weight_decay"), "sgd": ("momentum", "nesterov", "weight_decay")}
+_HYPER_KEYS = {kind: tuple(defaults) for kind, defaults in OPTIMIZER_DEFAULTS.items()}
 
 
 def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) -> dict[str, Any]:
@@ -758,8 +752,8 @@ def _defrun(env: Env, args: list, loc: Location | None) -> Defined:
     else:
         raise SxError(f"defrun :checkpoints must be none or (every N), got {show(checkpoints)}", locs["checkpoints"])
     precision = opts.get("precision", Symbol("f32"))
-    if not isinstance(precision, Symbol) or precision.name not in ("f32", "bf16"):
-        raise SxError(f"defrun :precision must be f32 or bf16, got {show(precision)}", locs.get("precision"))
+    if not isinstance(precision, Symbol) or precision.name not in PRECISIONS:
+        raise SxError(f"defrun :precision must be {' or '.join(PRECISIONS)}, got {show(precision)}", locs.get("precision"))
     run = exp.run = RunDef(
         steps=_int(opts["steps"], "defrun :steps", locs["steps"]),
         loader=loader,
