@@ -30,9 +30,7 @@ from typing import Any
 from ..diagnostics import Location
 from ..dialects.core import Builder, Operation, Region, TensorType, Value
 from ..dialects.exp import CLIP_EPS
-
-#: Op families that compute elementwise (the same function of each element).
-_ELEMENTWISE = frozenset({"unary", "binary", "compare", "select", "cast"})
+from ..dialects.traits import Trait, has_trait
 
 
 def _signature(func: Operation) -> list[Any] | None:
@@ -64,7 +62,7 @@ def _signature(func: Operation) -> list[Any] | None:
             elif op.name == "graph.const":
                 if isinstance(attrs.get("value"), list):
                     raise _NotFlat
-            elif op.family in _ELEMENTWISE:
+            elif has_trait(op, Trait.ELEMENTWISE):
                 if any(o[0] != results[0][0] for o in operands):
                     raise _NotFlat
             elif op.name not in ("graph.input", "graph.return"):

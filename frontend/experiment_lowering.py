@@ -22,11 +22,11 @@ from attrs import define, field
 
 from ..diagnostics import DiagnosticSink, Location, SxError
 from ..dialects.core import Operation, Region, SymbolRef, TensorType
+from ..dialects.exp import OPTIMIZER_DEFAULTS
 from ..dialects.inits import Init
 from .data import Keyword, TensorLike
 from .evaluator import invoke
 from .experiment_definitions import (
-    OPTIMIZER_DEFAULTS,
     DiagnosticDef,
     EvaluationDef,
     ExperimentDefinition,
