@@ -256,9 +256,6 @@ def cubin_image(source: KernelSource, arch: str) -> bytes:
 
 # --- kernel parameters and their packing --------------------------------------------------------------
 
-#: Kinds of kernel parameters the runtime passes.
-PARAM_KINDS = ("pointer", "signed", "unsigned", "float", "bfloat16")
-
 _QUALIFIERS = frozenset({"const", "volatile", "__restrict__", "__restrict", "restrict"})
 #: Declared scalar types (qualifiers removed, words joined by one space) -> (kind, size), LP64.
 _SCALAR_TYPES = {
@@ -280,7 +277,8 @@ _SCALAR_TYPES = {
 
 @frozen
 class ParamType:
-    """One kernel parameter: its kind (`PARAM_KINDS`), size in bytes, and its declared name and type."""
+    """One kernel parameter: its kind ("pointer", "signed", "unsigned", "float" or "bfloat16"), its size
+    in bytes, and its declared name and type."""
 
     kind: str
     size: int
@@ -547,6 +545,7 @@ class DeviceRuntime(ABC):
     def pinned(self, shape: int | Sequence[int], dtype: Any) -> np.ndarray:
         """A page-locked host array: uploads from it and downloads into it are truly asynchronous, and
         a captured upload may read it (pageable memory cannot be captured)."""
+        self._check_not_capturing("allocating pinned host memory")
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
