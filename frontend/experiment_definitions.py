@@ -19,7 +19,6 @@ from .selection import Selection
 from .tracer import Trace
 
 
-
 @define
 class Source:
     """A loader's source: `{kind, path | vocab count seed branch, …}` as the loader backend takes it."""

@@ -1,0 +1,251 @@
+"""The `kern` dialect: what a device runs — kernel symbols and the launches a graph makes of them.
+
+The CUDA lowering (`match-patterns`, `fuse`, `plan-buffers`, `emit-cuda`)
+turns a `graph.func` into launches: every op that computes is inside a kernel
+or a GEMM, and what is left of the graph dialect is its inputs, its return,
+its emits and views that cost nothing. Kernels are module-level symbols, so
+the twelve identical layernorms of a twelve-layer model are one kernel
+launched twelve times:
+
+    kern.kernel @layernorm_f32_768 {kind = "row", family = "layernorm", form = "mean and variance",
+        inputs = [tensor<8192x768xf32>, tensor<768xf32>, tensor<768xf32>],
+        outputs = [tensor<8192x768xf32>, tensor<8192xf32>, tensor<8192xf32>],
+        grid = [1024, 1, 1], block = [256, 1, 1], shared = 0, path = "model.blocks.0.norm1"}
+    kern.kernel @fused_3 {kind = "pointwise", domain = [8192, 768], maps = [...], ...} {
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %0 = graph.add %a, %b : (tensor<f32>, tensor<f32>) -> tensor<f32>
+      kern.yield %0 : (tensor<f32>) -> ()
+    }
+    graph.func @train {kind = "train"} {
+      ...
+      %7, %8, %9 = kern.launch %5, %6, %4 {kernel = @layernorm_f32_768, path = "model.blocks.3.norm1"} : (...) -> (...)
+      %10 = kern.gemm %7, %w {transpose_a = false, transpose_b = false, batch = 1, epilogue = "none",
+                              alpha = 1.0, beta = 0.0, path = "model.blocks.3.attn.qkv"} : (...) -> ...
+    }
+
+Kernel kinds (`KERNEL_KINDS`): `pointwise` and `reduction` (fused groups whose
+body is `graph` ops on rank-0 tensors, one block argument per operand
+element, ending in `kern.yield`; each operand reaches the body through an
+index map from the iteration domain), `multi_tensor_update` (an optimizer
+group's per-element update, body alike), and the template kinds without a
+body: `row` (a row program `{family, form}`), `cross_entropy` (the tail
+`{direction, form}`), `gather`, `scatter_add`, `copy`, `fill`. Every kernel
+carries its signature (`inputs`, `outputs`: tensor types, so shapes and
+dtypes), its launch shape (`grid`, `block`: three ints each; `shared`: dynamic
+shared-memory bytes) and the model path of the region it came from (`path`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .core import OpDef, Operation, SymbolRef, TensorType, VerifyError, register_op
+
+#: Kernels generated from a body of scalar `graph` ops.
+BODY_KINDS = ("pointwise", "reduction", "multi_tensor_update")
+#: Kernels written from a parameterised template; no body.
+TEMPLATE_KINDS = ("row", "cross_entropy", "gather", "scatter_add", "copy", "fill")
+KERNEL_KINDS = BODY_KINDS + TEMPLATE_KINDS
+#: Row-program families (`kern.kernel {kind = "row", family = ...}`).
+ROW_FAMILIES = ("softmax", "log_softmax", "layernorm", "rmsnorm", "softmax_backward", "log_softmax_backward",
+                "layernorm_backward", "rmsnorm_backward")
+CROSS_ENTROPY_DIRECTIONS = ("forward", "backward")
+#: GEMM epilogues cuBLASLt fuses (`bias_grad_*` reduce the GEMM's output into a bias gradient).
+GEMM_EPILOGUES = ("none", "bias", "gelu", "gelu_bias", "bias_grad_a", "bias_grad_b")
+
+
+def _types(op: Operation, key: str) -> list[TensorType]:
+    value = op.attributes.get(key)
+    if not isinstance(value, list) or not all(isinstance(t, TensorType) for t in value):
+        raise VerifyError(f"'{op.name}' attribute '{key}' must be a list of tensor types", op)
+    return value
+
+
+def _dim3(op: Operation, key: str) -> None:
+    value = op.attributes.get(key)
+    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(d, int) and d >= 1 for d in value)):
+        raise VerifyError(f"'{op.name}' attribute '{key}' must be three positive ints, got {value}", op)
+
+
+@register_op
+class KernelOp(OpDef):
+    """`kern.kernel @sym {kind, inputs, outputs, grid, block, shared, path, ...}`, with a body for body kinds."""
+
+    name = "kern.kernel"
+    family = "kernel"
+    num_operands = 0
+    num_results = 0
+    #: Body kinds have one region, template kinds none: checked in `verify`.
+    num_regions = 0
+    required_attrs = ("sym_name", "kind", "inputs", "outputs", "grid", "block", "shared", "path")
+    pure = False
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        kind = op.attributes.get("kind")
+        if kind not in KERNEL_KINDS:
+            raise VerifyError(f"'kern.kernel' kind must be one of {', '.join(KERNEL_KINDS)}, got {kind!r}", op)
+        expected_regions = 1 if kind in BODY_KINDS else 0
+        if len(op.regions) != expected_regions:
+            raise VerifyError(f"a '{kind}' kernel has {expected_regions} regions, got {len(op.regions)}", op)
+        for attr in cls.required_attrs:
+            if attr not in op.attributes:
+                raise VerifyError(f"'kern.kernel' requires attribute '{attr}'", op)
+        if op.operands or op.results:
+            raise VerifyError("'kern.kernel' has no operands or results", op)
+        inputs, outputs = _types(op, "inputs"), _types(op, "outputs")
+        _dim3(op, "grid")
+        _dim3(op, "block")
+        if not isinstance(op.attributes["shared"], int) or op.attributes["shared"] < 0:
+            raise VerifyError("'kern.kernel' shared must be a non-negative int (bytes)", op)
+        if kind == "row" and op.attributes.get("family") not in ROW_FAMILIES:
+            raise VerifyError(f"a row kernel's family must be one of {', '.join(ROW_FAMILIES)}", op)
+        if kind == "cross_entropy" and op.attributes.get("direction") not in CROSS_ENTROPY_DIRECTIONS:
+            raise VerifyError("a cross_entropy kernel's direction must be forward or backward", op)
+        if kind in BODY_KINDS:
+            _verify_body(op, inputs, outputs)
+
+
+def _verify_body(op: Operation, inputs: Sequence[TensorType], outputs: Sequence[TensorType]) -> None:
+    """A body takes one rank-0 argument per input and yields one rank-0 value per output, dtypes matching."""
+    region = op.regions[0]
+    if len(region.blocks) != 1:
+        raise VerifyError("a kernel body must have exactly one block", op)
+    block = region.blocks[0]
+    if len(block.args) != len(inputs):
+        raise VerifyError(f"a kernel body takes {len(inputs)} arguments (one per input), got {len(block.args)}", op)
+    for arg, t in zip(block.args, inputs):
+        if arg.type != TensorType((), t.dtype):
+            raise VerifyError(f"body argument {arg.type} does not match the element of input {t}", op)
+    last = block.last_op
+    if last is None or last.name != "kern.yield":
+        raise VerifyError("a kernel body must end with 'kern.yield'", op)
+    if len(last.operands) != len(outputs):
+        raise VerifyError(f"the body yields {len(last.operands)} values for {len(outputs)} outputs", op)
+    for value, t in zip(last.operands, outputs):
+        if value.type.rank != 0:
+            raise VerifyError(f"the body yields a {value.type}, not a scalar", op)
+        if op.attributes["kind"] != "reduction" and value.type.dtype != t.dtype:
+            raise VerifyError(f"the body yields {value.type.dtype} for an output of {t.dtype}", op)
+    for inner in block.ops:
+        if inner is not last and any(r.type.rank != 0 for r in inner.results):
+            raise VerifyError(f"'{inner.name}' in a kernel body must compute a scalar", inner)
+
+
+@register_op
+class YieldOp(OpDef):
+    """`kern.yield %a, %b`: the scalar results of one element of a kernel body."""
+
+    name = "kern.yield"
+    family = "kernel"
+    num_results = 0
+    pure = False
+    is_terminator = True
+
+
+def kernel_symbol(op: Operation) -> str:
+    """The kernel a `kern.launch` runs."""
+    ref = op.attributes.get("kernel")
+    if not isinstance(ref, SymbolRef):
+        raise VerifyError("'kern.launch' needs a symbol attribute 'kernel'", op)
+    return ref.name
+
+
+def find_kernel(op: Operation) -> Operation | None:
+    """The `kern.kernel` a launch names, looked up in the module holding the launch's graph."""
+    name = kernel_symbol(op)
+    block = op.parent
+    while block is not None and block.parent is not None and block.parent.parent is not None:
+        owner = block.parent.parent
+        if owner.name == "builtin.module":
+            for candidate in owner.body.ops:
+                if candidate.name == "kern.kernel" and candidate.attributes.get("sym_name") == name:
+                    return candidate
+            return None
+        block = owner.parent
+    return None
+
+
+@register_op
+class LaunchOp(OpDef):
+    """`%r = kern.launch %a, %b {kernel = @sym, path}`: one launch; operand and result types are the kernel's."""
+
+    name = "kern.launch"
+    family = "kernel"
+    num_results = None
+    required_attrs = ("kernel", "path")
+    pure = False
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        super().verify(op)
+        kernel = find_kernel(op)
+        if kernel is None:
+            raise VerifyError(f"'kern.launch' names an undefined kernel @{kernel_symbol(op)}", op)
+        inputs, outputs = kernel.attributes["inputs"], kernel.attributes["outputs"]
+        if [v.type for v in op.operands] != list(inputs):
+            raise VerifyError(
+                f"'kern.launch' operands ({', '.join(str(v.type) for v in op.operands)}) do not match "
+                f"@{kernel_symbol(op)}'s inputs ({', '.join(map(str, inputs))})", op)
+        if [r.type for r in op.results] != list(outputs):
+            raise VerifyError(
+                f"'kern.launch' results ({', '.join(str(r.type) for r in op.results)}) do not match "
+                f"@{kernel_symbol(op)}'s outputs ({', '.join(map(str, outputs))})", op)
+
+
+@register_op
+class GemmOp(OpDef):
+    """`%d = kern.gemm %a, %b[, %bias][, %c] {transpose_a, transpose_b, batch, epilogue, alpha, beta, path}`.
+
+    Row-major `D = alpha · op(A) · op(B) (+ bias) + beta · C` over `batch`
+    matrices (operands of rank 3 carry the batch first; a rank-2 operand is
+    shared by every batch); `op` transposes the last two axes when asked. The
+    bias is an operand when the epilogue names one, `C` when `beta` is not 0.
+    The result dtype may differ from the inputs' (f32 compute, output rounded).
+    """
+
+    name = "kern.gemm"
+    family = "kernel"
+    num_results = 1
+    required_attrs = ("transpose_a", "transpose_b", "batch", "epilogue", "alpha", "beta", "path")
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        super().verify(op)
+        attrs = op.attributes
+        if attrs["epilogue"] not in GEMM_EPILOGUES:
+            raise VerifyError(f"'kern.gemm' epilogue must be one of {', '.join(GEMM_EPILOGUES)}", op)
+        expected = 2 + (attrs["epilogue"] in ("bias", "gelu_bias")) + (attrs["beta"] != 0)
+        if len(op.operands) != expected:
+            raise VerifyError(f"'kern.gemm' with this epilogue and beta takes {expected} operands, "
+                              f"got {len(op.operands)}", op)
+        m, n, k = gemm_dims(op)
+        a, b = op.operands[0].type, op.operands[1].type
+        if a.dtype != b.dtype:
+            raise VerifyError(f"'kern.gemm' operands have dtypes {a.dtype} and {b.dtype}", op)
+        batch = attrs["batch"]
+        out = op.results[0].type
+        if out.shape[-2:] != (m, n) or (out.rank == 3 and out.shape[0] != batch) or out.rank not in (2, 3):
+            raise VerifyError(f"'kern.gemm' result {out} is not [{batch}, {m}, {n}]", op)
+        for t in (a, b):
+            if t.rank == 3 and t.shape[0] != batch:
+                raise VerifyError(f"'kern.gemm' operand {t} does not have {batch} batches", op)
+        del k
+
+
+def gemm_dims(op: Operation) -> tuple[int, int, int]:
+    """(m, n, k) of a `kern.gemm` after its transposes; a VerifyError when the operands do not contract."""
+    a, b = op.operands[0].type, op.operands[1].type
+    if a.rank not in (2, 3) or b.rank not in (2, 3):
+        raise VerifyError(f"'kern.gemm' takes rank 2 or 3 operands, got {a} and {b}", op)
+    m, ka = (a.shape[-1], a.shape[-2]) if op.attributes["transpose_a"] else a.shape[-2:]
+    kb, n = (b.shape[-1], b.shape[-2]) if op.attributes["transpose_b"] else b.shape[-2:]
+    if ka != kb:
+        raise VerifyError(f"'kern.gemm' operands {a} and {b} do not contract", op)
+    return m, n, ka
+
+
+def kernel_attributes(op: Operation) -> dict[str, Any]:
+    """A kernel's attributes without its symbol name (what makes two kernels the same code)."""
+    return {k: v for k, v in op.attributes.items() if k not in ("sym_name", "path")}
