@@ -28,6 +28,7 @@ own, `default_stream`); `download` and `synchronize` wait for it. Errors: a user
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import struct
 import weakref
@@ -349,35 +350,62 @@ class LoadedModule:
             raise DeviceError(f"module {self.name} has no kernel named {name} (its kernels: {known})") from None
 
 
+#: The values each integer kind and size holds (a pointer is an unsigned 64-bit address).
 _INTEGER_RANGES = {(kind, size): ((-(1 << (8 * size - 1)), (1 << (8 * size - 1)) - 1) if kind == "signed"
                                   else (0, (1 << (8 * size)) - 1))
                    for kind in ("signed", "unsigned") for size in (1, 2, 4, 8)}
+_INTEGER_RANGES["pointer", 8] = _INTEGER_RANGES["unsigned", 8]
+_NUMBERS = (int, float, np.integer, np.floating)
+_NOT_INTEGERS = (float, np.floating, bool, np.bool_)
 
 
 def argument_value(kernel: str, index: int, param: ParamType, value: object) -> int | float:
     """`value` checked against the parameter and converted to what `struct` packs for it: an address
     for a pointer (ints, `DeviceSpan`s, None for null), an int in range, a float, or bf16's bits."""
-
-    def refuse(why: str) -> KernelLaunchError:
-        return KernelLaunchError(kernel, f"argument {index + 1} ({param.declared} {param.name}): {why}")
-
     if param.kind in ("float", "bfloat16"):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise refuse(f"expected a number, got {type(value).__name__}")
-        return bf16_bits(float(value)) if param.kind == "bfloat16" else float(value)
-    if isinstance(value, (float, np.floating, bool, np.bool_)):
-        raise refuse(f"expected {'an address' if param.kind == 'pointer' else 'an integer'}, got {value!r}")
+        if isinstance(value, _NUMBERS) and not isinstance(value, (bool, np.bool_)):
+            return bf16_bits(float(value)) if param.kind == "bfloat16" else float(value)
+        raise _refused(kernel, index, param, f"expected a number, got {type(value).__name__}")
     if value is None and param.kind == "pointer":
         return 0
+    expected = "an address" if param.kind == "pointer" else "an integer"
+    if isinstance(value, _NOT_INTEGERS):
+        raise _refused(kernel, index, param, f"expected {expected}, got {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
-        raise refuse(f"expected {'an address' if param.kind == 'pointer' else 'an integer'}, "
-                     f"got {type(value).__name__}") from None
-    low, high = _INTEGER_RANGES["unsigned", 8] if param.kind == "pointer" else _INTEGER_RANGES[param.kind, param.size]
+        raise _refused(kernel, index, param, f"expected {expected}, got {type(value).__name__}") from None
+    low, high = _INTEGER_RANGES[param.kind, param.size]
     if not low <= number <= high:
-        raise refuse(f"{number} does not fit")
+        raise _refused(kernel, index, param, f"{number} does not fit")
     return number
+
+
+def _refused(kernel: str, index: int, param: ParamType, why: str) -> KernelLaunchError:
+    return KernelLaunchError(kernel, f"argument {index + 1} ({param.declared} {param.name}): {why}")
+
+
+@frozen
+class ParameterLayout:
+    """Where each parameter's value sits in a packed argument buffer: at its natural alignment, as in
+    the C struct of the same members (and as NVRTC lays out the kernel's parameter space)."""
+
+    offsets: tuple[int, ...]
+    #: Packs every value at its offset, little-endian, padding zeroed.
+    packer: struct.Struct
+    #: The buffer's size in 8-byte words.
+    words: int
+
+
+@functools.cache
+def parameter_layout(params: tuple[ParamType, ...]) -> ParameterLayout:
+    offsets, codes, end = [], ["<"], 0
+    for param in params:
+        start = align_up(end, param.size)
+        codes += [f"{start - end}x" if start > end else "", param.struct_code]
+        offsets.append(start)
+        end = start + param.size
+    return ParameterLayout(tuple(offsets), struct.Struct("".join(codes)), max(1, -(-end // 8)))
 
 
 class PackedArguments:
@@ -388,19 +416,14 @@ class PackedArguments:
     launch copies them into the graph), which holding this object guarantees.
     """
 
-    def __init__(self, params: Sequence[ParamType], values: Sequence[int | float]) -> None:
-        self.offsets: list[int] = []
-        offset = 0
-        for param in params:
-            offset = align_up(offset, param.size)
-            self.offsets.append(offset)
-            offset += param.size
+    def __init__(self, params: tuple[ParamType, ...], values: Sequence[int | float]) -> None:
+        layout = parameter_layout(params)
+        self.offsets = layout.offsets
         # c_uint64 storage: 8-byte aligned, so every offset aligned to its size is aligned in memory too.
-        self.storage = (ctypes.c_uint64 * max(1, -(-offset // 8)))()
+        self.storage = (ctypes.c_uint64 * layout.words)()
+        layout.packer.pack_into(self.storage, 0, *values)
         base = ctypes.addressof(self.storage)
-        for param, value, at in zip(params, values, self.offsets):
-            struct.pack_into("<" + param.struct_code, self.storage, at, value)
-        self.pointers = (ctypes.c_void_p * max(1, len(params)))(*(base + at for at in self.offsets))
+        self.pointers = (ctypes.c_void_p * max(1, len(params)))(*[base + at for at in layout.offsets])
         self.address = ctypes.addressof(self.pointers)
 
     def __len__(self) -> int:
