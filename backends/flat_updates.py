@@ -1,4 +1,5 @@
-"""Group-wide optimizer updates and gradient clipping over flat buffers.
+"""Graphs the training driver builds beside the experiment's own: group-wide optimizer updates and
+gradient clipping over flat buffers, and the scaling of summed microbatch gradients.
 
 `build-updates` makes one update graph per parameter; the graphs of a group
 differ only in the parameter's shape (the same elementwise arithmetic on
@@ -11,23 +12,25 @@ rebuilt for the flat `[N]` shape, over them: a few numpy calls over all N
 elements. Elementwise float32 arithmetic does not depend on the shape it runs
 over, so the result is bit-identical to the per-parameter graphs.
 
-`flat_clip` does what a `kind = "clip"` graph does (torch's
+`flat_clip_graph` does what a `kind = "clip"` graph does (torch's
 clip_grad_norm_: per-tensor norms, the norm of the norms, one coefficient) on
-a flat gradient buffer, with the same float32 operations in the same order
-(each tensor's sum of squares over its own slice), so bit-identical too.
+a flat gradient buffer its members fill, with the same float32 operations in
+the same order (each tensor's sum of squares over its own slice), so
+bit-identical too, in one multiply over the buffer instead of one per member.
+
+These are graphs, not numpy code, so that the driver computes nothing on
+arrays itself: any executor runs them (backends/executor.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from ..dialects.core import Operation, Region, TensorType, Value
-
-#: Op families that compute elementwise (the same function of each element).
-_ELEMENTWISE = frozenset({"unary", "binary", "compare", "select", "cast"})
+from ..diagnostics import Location
+from ..dialects.core import Builder, Operation, Region, TensorType, Value
+from ..dialects.exp import CLIP_EPS
+from ..dialects.traits import Trait, has_trait
 
 
 def _signature(func: Operation) -> list[Any] | None:
@@ -59,7 +62,7 @@ def _signature(func: Operation) -> list[Any] | None:
             elif op.name == "graph.const":
                 if isinstance(attrs.get("value"), list):
                     raise _NotFlat
-            elif op.family in _ELEMENTWISE:
+            elif has_trait(op, Trait.ELEMENTWISE):
                 if any(o[0] != results[0][0] for o in operands):
                     raise _NotFlat
             elif op.name not in ("graph.input", "graph.return"):
@@ -108,24 +111,50 @@ def flat_update_graph(funcs: Sequence[Operation], numel: int) -> Operation | Non
     return func
 
 
-def flat_clip(grads: np.ndarray, bounds: Sequence[tuple[int, int]], max_norm: float, eps: float) -> None:
-    """Clip the gradients at `grads[a:b]` for each (a, b) in `bounds`, in place, as a clip graph
-    would: norm_p = sqrt(sum g_p²), total = sqrt(Σ norm_p²) (added left to right), every
-    gradient times min(max_norm / (total + eps), 1); all in float32."""
-    span = slice(min(a for a, _ in bounds), max(b for _, b in bounds))
-    squares = np.multiply(grads[span], grads[span])
-    start = span.start
-    f32 = np.float32
-    total_sq = None
-    for a, b in bounds:
-        norm = np.sqrt(np.sum(squares[a - start:b - start], dtype=f32))
-        square = f32(norm * norm)
-        total_sq = square if total_sq is None else f32(total_sq + square)
-    total = np.sqrt(f32(total_sq))
-    coef = np.minimum(f32(f32(max_norm) / f32(total + f32(eps))), f32(1.0))
-    contiguous = sorted(bounds)
-    if all(b == c for (_, b), (c, _) in zip(contiguous, contiguous[1:])):
-        grads[span] *= coef
-    else:
-        for a, b in bounds:
-            grads[a:b] *= coef
+def flat_clip_graph(clip: Operation, bounds: Sequence[tuple[int, int]]) -> Operation:
+    """The clip graph `clip` over one flat gradient array that its members fill: member i (in the
+    order of `clip`'s inputs) at `bounds[i]` = (start, end). Input "grad" (the flat array), outputs
+    "grad" (clipped; may be written over the input) and "norm": norm_p = sqrt(sum g_p²),
+    total = sqrt(Σ norm_p²) (added left to right), grad times min(max_norm / (total + eps), 1)."""
+    member = next(op.result.type for op in clip.body.ops if op.name == "graph.input")
+    numel = max(end for _, end in bounds)
+    attrs = {**clip.attributes, "sym_name": f"{clip.attributes['sym_name']}/flat"}
+    func = Operation.create("graph.func", attributes=attrs, regions=[Region.with_block()], loc=clip.loc)
+    b = Builder(func.body, loc=clip.loc)
+    grad = b.create("graph.input", (), {"name": "grad", "role": "grad"},
+                    result_types=[member.with_shape((numel,))]).result
+    squares = b.value("graph.mul", grad, grad)
+    total_sq: Value | None = None
+    for start, end in bounds:
+        part = b.value("graph.slice", squares, axis=0, start=start, end=end)
+        norm = b.value("graph.sqrt", b.value("graph.sum", part, axes=[0], keep=False))
+        square = b.value("graph.mul", norm, norm)
+        total_sq = square if total_sq is None else b.value("graph.add", total_sq, square)
+    assert total_sq is not None
+    total = b.value("graph.sqrt", total_sq)
+
+    def scalar(value: float) -> Value:
+        return b.create("graph.const", (), {"value": value}, result_types=[member.with_shape(())]).result
+
+    coef = b.value("graph.div", scalar(float(clip.attributes["max_norm"])), b.value("graph.add", total, scalar(CLIP_EPS)))
+    coef = b.value("graph.minimum", coef, scalar(1.0))
+    clipped = b.value("graph.mul", grad, b.value("graph.broadcast", coef, shape=[numel]))
+    b.create("graph.return", [clipped, total], {"names": ["grad", "norm"]})
+    func.verify()
+    return func
+
+
+def scaling_graph(types: Mapping[str, TensorType], factor: float, loc: Location | None) -> Operation:
+    """A graph multiplying each input (named and typed by `types`) by `factor`, each output under its
+    input's name (may be written over it): the mean of gradients summed over microbatches."""
+    func = Operation.create("graph.func", attributes={"sym_name": "scale-gradients", "kind": "scale"},
+                            regions=[Region.with_block()], loc=loc)
+    b = Builder(func.body, loc=loc)
+    scaled = []
+    for name, type_ in types.items():
+        value = b.create("graph.input", (), {"name": name, "role": "grad"}, result_types=[type_]).result
+        splat = b.create("graph.const", (), {"value": factor}, result_types=[type_]).result
+        scaled.append(b.value("graph.mul", value, splat))
+    b.create("graph.return", scaled, {"names": list(types)})
+    func.verify()
+    return func

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..diagnostics import Location, SxError
 from ..dialects.graph_semantics import numpy_dtypes
+from ..dialects.traits import Trait, ops_with
 
 #: Field dtypes of the language → numpy dtypes: the dialect's, and `bool` for `i1`.
 FIELD_DTYPES: dict[str, Any] = {**numpy_dtypes(), "bool": np.bool_}
@@ -312,11 +313,8 @@ class Loader:
         self.position = int(state["position"])
 
 
-#: Ops through which token ids flow unchanged (they only move or copy them).
-_ID_CARRYING_OPS = frozenset(
-    {"graph.reshape", "graph.transpose", "graph.broadcast", "graph.slice", "graph.concat", "graph.squeeze",
-     "graph.expand_dims", "graph.cast"}
-)
+#: Ops through which token ids flow unchanged (they only move or copy them): the views, concat, cast.
+_ID_CARRYING_OPS = ops_with(Trait.VIEW) | {"graph.concat", "graph.cast"}
 
 
 def _index_bound(user: Any, operand_index: int) -> int | None:

@@ -1,6 +1,12 @@
-"""The training driver behind `sexpgpu run --device cpu` and `sexpgpu.train`.
+"""The training driver behind `sexpgpu run` and `sexpgpu.train`.
 
-One step of a run, on the numpy interpreter:
+It runs on an executor (backends/executor.py), the `cpu` one (the numpy
+interpreter) unless told otherwise, and knows nothing else of the device: the
+experiment's graphs and the few it builds itself (flat group updates and
+clipping, microbatch scaling: backends/flat_updates.py) are compiled by the
+executor, and arrays move only through the executor's array operations.
+
+One step of a run:
 
 1. `microbatches` batches from the run's loader: the first through `train`
    (or `train_diagnosed` on a diagnostic step), the rest through
@@ -40,9 +46,12 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 
-from ..devices import require_available
+from ..devices import open_device
 from ..diagnostics import SxError, display_path
-from ..dialects.exp import CLIP_EPS
+from ..dialects.core import Operation, TensorType
+from ..dialects.inits import initial_params
+from ..passes.manager import CompilationUnit, run_pipeline
+from ..passes.pipelines import TRAINING_PIPELINE
 from ..version import __version__
 from .checkpoint import (
     read_checkpoint,
@@ -51,12 +60,14 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .events import EventLog, finite_or_none
-from .flat_updates import flat_clip, flat_update_graph
-from .interpreter import CompiledGraph, compile_graph
+from .executor import DeviceArray, Executable, Executor
+from .flat_updates import flat_clip_graph, flat_update_graph, scaling_graph
 from .loaders import Loader, vocabulary_bounds
 from .progress import ProgressReporter, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
+#: The scaling graph's name for the flat gradient array (the other inputs are `grad/<path>`).
+_FLAT_GRADS = "flat-grads"
 
 
 @frozen
@@ -98,15 +109,12 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-class Experiment:
-    """The experiment compiled through the training pipeline, as the driver needs it: ops and graphs."""
+class TrainingPlan:
+    """What the driver trains: the module of an experiment after the training pipeline, read once
+    (the run's settings, parameters, loaders, evaluations, diagnostics and graphs)."""
 
-    def __init__(self, path: str, variant: str | None, sets: list[str]) -> None:
-        from ..api import Experiment as CompiledExperiment
-
+    def __init__(self, module: Operation, path: str) -> None:
         self.path = path
-        self.compiled = CompiledExperiment(path, variant, sets)
-        module = self.compiled.module
         ops = list(module.body.ops)
         self.module = module
         self.run_op = self._one(ops, "exp.run")
@@ -128,6 +136,13 @@ class Experiment:
         cadence = attrs.get("checkpoints")
         self.checkpoint_every = int(cadence) if isinstance(cadence, int) and cadence > 0 else None
         self.train_loader_name = str(attrs["loader"])
+
+    @classmethod
+    def compile(cls, path: str, variant: str | None = None,
+                sets: dict[str, Any] | list[str] | None = None) -> TrainingPlan:
+        """The plan of the experiment file at `path` under a selection (the training pipeline's module)."""
+        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
+        return cls(unit.module, path)
 
     @staticmethod
     def _one(ops: list[Any], name: str) -> Any:
@@ -177,24 +192,23 @@ class Experiment:
 
 
 class Trainer:
-    """Runs one experiment's training loop and records it."""
+    """Runs one training plan's loop on an executor and records it."""
 
-    def __init__(self, experiment: Experiment, out_dir: Path, resume: Path | None,
-                 reporter_stream: Any = None, interactive: bool | None = None) -> None:
-        self.exp = experiment
+    def __init__(self, plan: TrainingPlan, out_dir: Path, resume: Path | None,
+                 reporter_stream: Any = None, interactive: bool | None = None,
+                 executor: Executor | None = None) -> None:
+        self.plan = plan
+        #: Where the graphs run and the parameters, gradients and states live.
+        self.executor = executor if executor is not None else open_device("cpu", "run")
         self.out_dir = out_dir
-        self.loaders = {name: Loader.from_op(op) for name, op in experiment.loader_ops.items()}
-        if experiment.train_loader_name not in self.loaders:
-            raise SxError(f"defrun names loader {experiment.train_loader_name}, which is not defined",
-                          experiment.run_op.loc)
-        self.train_loader = self.loaders[experiment.train_loader_name]
+        self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
+        if plan.train_loader_name not in self.loaders:
+            raise SxError(f"defrun names loader {plan.train_loader_name}, which is not defined", plan.run_op.loc)
+        self.train_loader = self.loaders[plan.train_loader_name]
         self._compile_graphs()
         self._check_vocabularies()
-        self.params = {path: np.array(v, dtype=np.float32, order="C")
-                       for path, v in experiment.compiled.init_params().items()}
-        self.states = {f"{path}/{state}": np.zeros(shape, np.float32)
-                       for path, (_, states) in self.updates.items() for state, shape in states.items()}
-        self._lay_out_flat_groups()
+        self._allocate()
+        self._compile_gradient_graphs()
         self.start_step = 0
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -205,72 +219,115 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
 
     def _compile_graphs(self) -> None:
-        exp = self.exp
-        self.train = compile_graph(exp.graph("train"))
-        self.train_accumulating = compile_graph(exp.graph("train_accumulating")) if exp.microbatches > 1 else None
-        self.train_diagnosed = compile_graph(exp.graph("train_diagnosed")) if exp.diagnostic_ops else None
+        plan = self.plan
+        compile_func = self.executor.compile
+        self.train = compile_func(plan.graph("train"))
+        self.train_accumulating = compile_func(plan.graph("train_accumulating")) if plan.microbatches > 1 else None
+        self.train_diagnosed = compile_func(plan.graph("train_diagnosed")) if plan.diagnostic_ops else None
         self.evaluations = [
-            (op, compile_graph(exp.graph(_symbol(op.attributes["graph"])))) for op in exp.evaluation_ops
+            (op, compile_func(plan.graph(_symbol(op.attributes["graph"])))) for op in plan.evaluation_ops
         ]
         #: param path → (its update graph, state name → shape)
-        self.updates: dict[str, tuple[CompiledGraph, dict[str, tuple[int, ...]]]] = {}
-        for func in exp.graphs_of_kind("update"):
-            compiled = compile_graph(func)
+        self.updates: dict[str, tuple[Executable, dict[str, tuple[int, ...]]]] = {}
+        for func in plan.graphs_of_kind("update"):
+            compiled = compile_func(func)
             states = {spec.name: spec.type.shape for spec in compiled.inputs if spec.role == "state"}
             self.updates[str(func.attributes["param"])] = (compiled, states)
-        missing = [op.attributes["path"] for op in exp.param_ops if op.attributes["path"] not in self.updates]
+        missing = [op.attributes["path"] for op in plan.param_ops if op.attributes["path"] not in self.updates]
         if missing:
-            raise SxError(f"no update graph for parameter {missing[0]}", exp.run_op.loc)
-        self.clips = [compile_graph(func) for func in exp.graphs_of_kind("clip")]
-        self.clip_norms = [float(func.attributes["max_norm"]) for func in exp.graphs_of_kind("clip")]
+            raise SxError(f"no update graph for parameter {missing[0]}", plan.run_op.loc)
         #: Groups updated as one: (the group's update graph over flat [N] arrays, its member paths).
-        self.flat_groups: list[tuple[CompiledGraph, list[str]]] = []
+        self.flat_groups: list[tuple[Executable, list[str]]] = []
         members: dict[str, list[Any]] = {}
-        for func in exp.graphs_of_kind("update"):
+        for func in plan.graphs_of_kind("update"):
             members.setdefault(str(func.attributes.get("group")), []).append(func)
-        sizes = {op.attributes["path"]: op.attributes["type"].numel for op in exp.param_ops}
+        sizes = {op.attributes["path"]: op.attributes["type"].numel for op in plan.param_ops}
         for funcs in members.values():
             paths = [str(func.attributes["param"]) for func in funcs]
             flat = flat_update_graph(funcs, sum(sizes[path] for path in paths)) if len(funcs) > 1 else None
             if flat is not None:
-                self.flat_groups.append((compile_graph(flat), paths))
+                self.flat_groups.append((compile_func(flat), paths))
 
-    def _lay_out_flat_groups(self) -> None:
-        """The parameters, gradients and states of each flat group as views into flat arrays.
+    def _allocate(self) -> None:
+        """The parameters (at their initial values), their gradients and states, on the executor.
 
-        One float32 array of every parameter of the flat groups, one alike for
-        their gradients (the train graph's are copied in), and per group one
-        per state; `self.params` and `self.states` hold views into them, in the
-        members' shapes, so everything else (graph inputs, checkpoints, resume)
-        sees the same arrays as before.
+        The parameters of the flat groups live in one float32 array, their
+        gradients in another (the train graphs write them there), and each
+        state of a group in one per group; `self.params` and `self.states`
+        hold views into them in the members' shapes, so everything else
+        (graph inputs, checkpoints, resume) sees one array per parameter and
+        state.
         """
+        ex = self.executor
+        shapes = {str(op.attributes["path"]): tuple(op.attributes["type"].shape) for op in self.plan.param_ops}
         #: param path → its (start, end) in the flat arrays
         self.flat_bounds: dict[str, tuple[int, int]] = {}
         end = 0
         for _, paths in self.flat_groups:
             for path in paths:
-                self.flat_bounds[path] = (end, end + self.params[path].size)
-                end += self.params[path].size
-        self.flat_params = np.zeros(end, np.float32)
-        self.flat_grads = np.zeros(end, np.float32)
-        self.flat_grad_views: dict[str, np.ndarray] = {}
-        for path, (a, b) in self.flat_bounds.items():
-            shape = self.params[path].shape
-            view = self.flat_params[a:b].reshape(shape)
-            np.copyto(view, self.params[path])
-            self.params[path] = view
-            self.flat_grad_views[f"grad/{path}"] = self.flat_grads[a:b].reshape(shape)
-        #: per flat group: (its update graph, its span, state name → flat array)
-        self.flat_updates: list[tuple[CompiledGraph, slice, dict[str, np.ndarray]]] = []
+                self.flat_bounds[path] = (end, end + math.prod(shapes[path]))
+                end = self.flat_bounds[path][1]
+        self.flat_numel = end
+        self.flat_params = ex.zeros((end,), "f32")
+        self.flat_grads = ex.zeros((end,), "f32")
+        self.params: dict[str, DeviceArray] = {}
+        self.flat_grad_views: dict[str, DeviceArray] = {}
+        for path, value in initial_params(self.plan.param_ops, self.plan.seed).items():
+            if path in self.flat_bounds:
+                start = self.flat_bounds[path][0]
+                self.params[path] = ex.view(self.flat_params, start, shapes[path])
+                ex.copy(ex.upload(value), self.params[path])
+                self.flat_grad_views[f"grad/{path}"] = ex.view(self.flat_grads, start, shapes[path])
+            else:
+                self.params[path] = ex.upload(value)
+        #: param path → (its group's flat state arrays, the group's start in the flat arrays)
+        flat_states: dict[str, tuple[dict[str, DeviceArray], int]] = {}
+        #: per flat group: (its update graph, its inputs but the step, its outputs: the same arrays)
+        self.flat_updates: list[tuple[Executable, dict[str, DeviceArray], dict[str, DeviceArray]]] = []
         for graph, paths in self.flat_groups:
             start, stop = self.flat_bounds[paths[0]][0], self.flat_bounds[paths[-1]][1]
-            states: dict[str, np.ndarray] = {}
-            for state in self.updates[paths[0]][1]:
-                states[state] = np.zeros(stop - start, np.float32)
-                for path in paths:
-                    a, b = self.flat_bounds[path]
-                    self.states[f"{path}/{state}"] = states[state][a - start:b - start].reshape(self.params[path].shape)
-            self.flat_updates.append((graph, slice(start, stop), states))
+            states = {state: ex.zeros((stop - start,), "f32") for state in self.updates[paths[0]][1]}
+            flat_states.update(dict.fromkeys(paths, (states, start)))
+            param = ex.view(self.flat_params, start, (stop - start,))
+            grad = ex.view(self.flat_grads, start, (stop - start,))
+            self.flat_updates.append((graph, {"param": param, "grad": grad, **states}, {"param": param, **states}))
+        self.states: dict[str, DeviceArray] = {}
+        for path, (_, state_shapes) in self.updates.items():
+            for state, shape in state_shapes.items():
+                if path in flat_states:
+                    arrays, start = flat_states[path]
+                    self.states[f"{path}/{state}"] = ex.view(arrays[state], self.flat_bounds[path][0] - start, shape)
+                else:
+                    self.states[f"{path}/{state}"] = ex.zeros(shape, "f32")
+
+    def _compile_gradient_graphs(self) -> None:
+        """The clip graphs (over the flat gradient array where a clip's members fill a span of it)
+        and, with microbatches, the graph scaling the summed gradients to their mean."""
+        plan = self.plan
+        #: per clip: (its graph, the span of the flat gradient array it clips, or None: the gradients)
+        self.clips: list[tuple[Executable, DeviceArray | None]] = []
+        for func in plan.graphs_of_kind("clip"):
+            paths = [str(op.attributes["name"]).removeprefix("grad/") for op in func.body.ops
+                     if op.name == "graph.input"]
+            bounds = [self.flat_bounds[path] for path in paths if path in self.flat_bounds]
+            start = min((a for a, _ in bounds), default=0)
+            stop = max((b for _, b in bounds), default=0)
+            # Over the flat array when every member is in it and together they fill one span of it.
+            if bounds and len(bounds) == len(paths) and sum(b - a for a, b in bounds) == stop - start:
+                flat = flat_clip_graph(func, [(a - start, b - start) for a, b in bounds])
+                span = self.executor.view(self.flat_grads, start, (stop - start,))
+                self.clips.append((self.executor.compile(flat), span))
+            else:
+                self.clips.append((self.executor.compile(func), None))
+        #: The parameters outside the flat array (updated one by one, their gradients scaled one by one).
+        self.lone_params = [path for path in self.updates if path not in self.flat_bounds]
+        self.scale: Executable | None = None
+        if plan.microbatches > 1:
+            grad_types = _output_types(plan.graph("train"))
+            types = {f"grad/{path}": grad_types[f"grad/{path}"] for path in self.lone_params}
+            if self.flat_bounds:
+                types[_FLAT_GRADS] = TensorType((self.flat_numel,), "f32")
+            self.scale = self.executor.compile(scaling_graph(types, 1.0 / plan.microbatches, plan.run_op.loc))
 
     def _check_vocabularies(self) -> None:
         bounds: dict[str, dict[str, int]] = {}
@@ -280,9 +337,9 @@ class Trainer:
                 current = bounds.setdefault(loader, {})
                 current[field] = min(bound, current.get(field, bound))
 
-        merge(self.exp.train_loader_name, self.exp.graph("train"))
-        for op in self.exp.evaluation_ops:
-            merge(str(op.attributes["loader"]), self.exp.graph(_symbol(op.attributes["graph"])))
+        merge(self.plan.train_loader_name, self.plan.graph("train"))
+        for op in self.plan.evaluation_ops:
+            merge(str(op.attributes["loader"]), self.plan.graph(_symbol(op.attributes["graph"])))
         for name, loader_bounds in bounds.items():
             if name in self.loaders:
                 self.loaders[name].check_vocabulary(loader_bounds)
@@ -290,12 +347,13 @@ class Trainer:
     def _resume(self, resume: Path) -> None:
         checkpoint = read_checkpoint(resolve_checkpoint(resume))
         manifest = checkpoint.manifest
-        if manifest.get("fingerprint") != self.exp.fingerprint:
+        if manifest.get("fingerprint") != self.plan.fingerprint:
             raise SxError(self._difference(manifest, checkpoint.path))
+        ex = self.executor
         for path, value in self.params.items():
-            np.copyto(value, checkpoint.params[path])
+            ex.copy(ex.upload(checkpoint.params[path]), value)
         for name, value in self.states.items():
-            np.copyto(value, checkpoint.states[name])
+            ex.copy(ex.upload(checkpoint.states[name]), value)
         for name, state in manifest.get("loaders", {}).items():
             if name in self.loaders:
                 self.loaders[name].restore(state)
@@ -306,7 +364,7 @@ class Trainer:
         """Why a checkpoint belongs to another experiment, as precisely as the manifest tells."""
         head = f"cannot resume from {path}: it was written by a different experiment"
         theirs = manifest.get("selection", {})
-        ours = {"variant": self.exp.selection.get("variant"), "knobs": self.exp.knobs()}
+        ours = {"variant": self.plan.selection.get("variant"), "knobs": self.plan.knobs()}
         reasons = []
         if theirs.get("variant") != ours["variant"]:
             reasons.append(f"variant {theirs.get('variant')} there, {ours['variant']} here")
@@ -317,33 +375,34 @@ class Trainer:
             if a != b:
                 reasons.append(f"knob {knob} = {a} there, {b} here")
         shapes = {k: tuple(v) for k, v in manifest.get("parameters", {}).items()}
-        here = {op.attributes["path"]: tuple(op.attributes["type"].shape) for op in self.exp.param_ops}
+        here = {op.attributes["path"]: tuple(op.attributes["type"].shape) for op in self.plan.param_ops}
         for name in sorted(set(shapes) | set(here)):
             if shapes.get(name) != here.get(name):
                 reasons.append(f"parameter {name} is {list(shapes[name]) if name in shapes else 'absent'} there, "
                                f"{list(here[name]) if name in here else 'absent'} here")
         if not reasons:
             sources = manifest.get("sources", {})
-            changed = [f for f, h in self.exp.source_hashes.items() if sources.get(f) not in (None, h)]
+            changed = [f for f, h in self.plan.source_hashes.items() if sources.get(f) not in (None, h)]
             reasons.append(f"source changed: {', '.join(changed)}" if changed else "the graphs differ")
         return f"{head}: " + "; ".join(reasons)
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _inputs(self, graph: CompiledGraph, batch: dict[str, np.ndarray],
-                grads: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        inputs: dict[str, np.ndarray] = {}
+    def _inputs(self, graph: Executable, batch: dict[str, np.ndarray],
+                grads: dict[str, DeviceArray] | None = None) -> dict[str, DeviceArray]:
+        """A graph's inputs: the parameters, the batch's fields (uploaded) and, given, the gradients."""
+        inputs: dict[str, DeviceArray] = {}
         for spec in graph.inputs:
             if spec.role == "param":
                 inputs[spec.name] = self.params[spec.name]
             elif spec.role == "batch":
-                inputs[spec.name] = batch[spec.name]
+                inputs[spec.name] = self.executor.upload(batch[spec.name])
             elif spec.role == "grad" and grads is not None:
                 # `train_accumulating` names its gradient inputs like the outputs they continue.
                 inputs[spec.name] = grads[spec.name]
         return inputs
 
-    def _microbatch_graph(self, index: int, diagnosed: bool) -> CompiledGraph:
+    def _microbatch_graph(self, index: int, diagnosed: bool) -> Executable:
         if index > 0:
             assert self.train_accumulating is not None
             return self.train_accumulating
@@ -351,17 +410,18 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, int | float], dict[str, np.ndarray]]:
         """One optimizer step; returns the loss, metrics, counters and the observations."""
-        diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.exp.diagnostic_ops)
-        grads: dict[str, np.ndarray] | None = None
+        ex = self.executor
+        diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.plan.diagnostic_ops)
+        grads: dict[str, DeviceArray] | None = None
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         counter_sums: dict[str, int | float] = {}
         observed: dict[str, np.ndarray] = {}
-        for index in range(self.exp.microbatches):
+        for index in range(self.plan.microbatches):
             graph = self._microbatch_graph(index, diagnosed)
             # The gradients of the flat groups go straight into the flat gradient array.
             result = graph(self._inputs(graph, self.train_loader.next_batch(), grads), self.flat_grad_views)
-            loss_sum += float(result.outputs["loss"])
+            loss_sum += float(ex.download(result.outputs["loss"]))
             grads = {name: value for name, value in result.outputs.items() if name.startswith("grad/")}
             for name, value in result.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
@@ -369,40 +429,31 @@ class Trainer:
                 counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
             observed.update(result.observed)
         assert grads is not None
-        if self.exp.microbatches > 1:
-            scale = np.float32(1.0 / self.exp.microbatches)
-            # One multiply over the flat gradient array (the same float32 product per element) and one
-            # per gradient outside it.
-            self.flat_grads *= scale
-            for name, value in grads.items():
-                if name.removeprefix("grad/") not in self.flat_bounds:
-                    value *= scale
-        for clip, max_norm in zip(self.clips, self.clip_norms):
-            paths = [spec.name.removeprefix("grad/") for spec in clip.inputs]
-            if all(path in self.flat_bounds for path in paths):
-                flat_clip(self.flat_grads, [self.flat_bounds[path] for path in paths], max_norm, CLIP_EPS)
-                continue
-            clipped = clip({spec.name: grads[spec.name] for spec in clip.inputs}).outputs
-            for name, value in clipped.items():
-                if name in grads:
-                    np.copyto(grads[name], value)
-        step_input = np.asarray(step, dtype=np.float32)
-        for update, span, states in self.flat_updates:
-            inputs = {"param": self.flat_params[span], "grad": self.flat_grads[span], "step": step_input, **states}
+        if self.scale is not None:
+            # One multiply over the flat gradient array and one per gradient outside it, in place.
+            summed = {f"grad/{path}": grads[f"grad/{path}"] for path in self.lone_params}
+            if self.flat_bounds:
+                summed[_FLAT_GRADS] = self.flat_grads
+            self.scale(summed, summed)
+        for clip, span in self.clips:
+            clipping = {"grad": span} if span is not None else {spec.name: grads[spec.name] for spec in clip.inputs}
+            # In place: the clipped gradients are written over the gradients.
+            clip(clipping, clipping)
+        step_input = ex.upload(np.asarray(step, dtype=np.float32))
+        for update, arrays, written in self.flat_updates:
             # In place: the new parameters and states are written over the old.
-            update(inputs, {"param": inputs["param"], **states})
-        for path, (update, states) in self.updates.items():
-            if path in self.flat_bounds:
-                continue
+            update({**arrays, "step": step_input}, written)
+        for path in self.lone_params:
+            update, states = self.updates[path]
             inputs = {"param": self.params[path], "grad": grads[f"grad/{path}"], "step": step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
             # In place: the parameter and state buffers live for the whole run.
             update(inputs, {name: inputs[name] for name in ("param", *states)})
-        count = self.exp.microbatches
+        count = self.plan.microbatches
         metrics = {name: total / count for name, total in metric_sums.items()}
         return loss_sum / count, metrics, counter_sums, observed
 
-    def evaluate(self, op: Any, graph: CompiledGraph) -> tuple[dict[str, float], int]:
+    def evaluate(self, op: Any, graph: Executable) -> tuple[dict[str, float], int]:
         loader = self.loaders[str(op.attributes["loader"])]
         sums: dict[str, float] = {}
         batches = 0
@@ -422,44 +473,46 @@ class Trainer:
 
     def tokens_per_step(self) -> int:
         record = self.train_loader.fields[0].shape
-        return self.exp.microbatches * self.train_loader.batch * int(np.prod(record, dtype=np.int64))
+        return self.plan.microbatches * self.train_loader.batch * int(np.prod(record, dtype=np.int64))
 
     def manifest(self, step: int) -> dict[str, Any]:
         return {
-            "selection": {"variant": self.exp.selection.get("variant"), "knobs": self.exp.knobs()},
+            "selection": {"variant": self.plan.selection.get("variant"), "knobs": self.plan.knobs()},
             "loaders": {name: loader.state() for name, loader in self.loaders.items()},
-            "rng": {"seed": self.exp.seed, "loader_draws": "keyed by (loader seed, position)"},
-            "sources": self.exp.source_hashes,
-            "fingerprint": self.exp.fingerprint,
-            "parameters": {op.attributes["path"]: list(op.attributes["type"].shape) for op in self.exp.param_ops},
+            "rng": {"seed": self.plan.seed, "loader_draws": "keyed by (loader seed, position)"},
+            "sources": self.plan.source_hashes,
+            "fingerprint": self.plan.fingerprint,
+            "parameters": {op.attributes["path"]: list(op.attributes["type"].shape) for op in self.plan.param_ops},
             "sexpgpu_version": __version__,
         }
 
     def checkpoint(self, events: EventLog, reporter: ProgressReporter, step: int) -> None:
         started = time.perf_counter()
-        path = write_checkpoint(self.out_dir, step, self.params, self.states, self.manifest(step))
+        download = self.executor.download
+        path = write_checkpoint(self.out_dir, step, {name: download(value) for name, value in self.params.items()},
+                                {name: download(value) for name, value in self.states.items()}, self.manifest(step))
         events.write("checkpoint", step=step, path=str(path), seconds=time.perf_counter() - started)
         reporter.say(f"checkpoint {display_path(str(path))}")
 
-    def run(self, device: str) -> RunResult:
-        exp = self.exp
+    def run(self) -> RunResult:
+        plan = self.plan
         self.out_dir.mkdir(parents=True, exist_ok=True)
         remove_incomplete(self.out_dir)
         events = EventLog(self.out_dir / "events.jsonl")
         events.write(
             "start",
-            file=display_path(exp.path),
-            selection={"variant": exp.selection.get("variant"), "knobs": exp.knobs()},
+            file=display_path(plan.path),
+            selection={"variant": plan.selection.get("variant"), "knobs": plan.knobs()},
             manifest={
-                "steps": exp.steps, "start_step": self.start_step, "microbatches": exp.microbatches,
-                "batch": self.train_loader.batch, "precision": exp.precision, "seed": exp.seed,
-                "device": device, "tokens_per_step": self.tokens_per_step(), "sources": exp.source_hashes,
-                "fingerprint": exp.fingerprint, "version": __version__,
+                "steps": plan.steps, "start_step": self.start_step, "microbatches": plan.microbatches,
+                "batch": self.train_loader.batch, "precision": plan.precision, "seed": plan.seed,
+                "device": self.executor.device, "tokens_per_step": self.tokens_per_step(), "sources": plan.source_hashes,
+                "fingerprint": plan.fingerprint, "version": __version__,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             },
-            parameters=exp.parameter_count,
+            parameters=plan.parameter_count,
         )
-        reporter = ProgressReporter(exp.steps, self.start_step, self.reporter_stream, self.interactive)
+        reporter = ProgressReporter(plan.steps, self.start_step, self.reporter_stream, self.interactive)
         run_started = time.perf_counter()
         step = self.start_step
         status, message = "done", None
@@ -469,7 +522,7 @@ class Trainer:
         step_seconds = 0.0
         try:
             with _Interrupt() as interrupt:
-                while step < exp.steps:
+                while step < plan.steps:
                     if interrupt.requested:
                         status, message = "interrupted", f"interrupted after step {step}"
                         break
@@ -489,13 +542,13 @@ class Trainer:
                         break
                     train_loss = loss
                     elapsed = time.perf_counter() - run_started
-                    reporter.step(step, loss, rate, elapsed / (step - self.start_step) * (exp.steps - step))
-                    for op in exp.diagnostic_ops:
+                    reporter.step(step, loss, rate, elapsed / (step - self.start_step) * (plan.steps - step))
+                    for op in plan.diagnostic_ops:
                         if step % int(op.attributes["every"]) == 0:
                             events.write("diagnostic", step=step, name=str(op.attributes["name"]),
                                          reducer=str(op.attributes["reducer"]), values=self.diagnose(op, observed))
                     for op, graph in self.evaluations:
-                        if step % int(op.attributes["every"]) == 0 or step == exp.steps:
+                        if step % int(op.attributes["every"]) == 0 or step == plan.steps:
                             eval_started = time.perf_counter()
                             results, batches = self.evaluate(op, graph)
                             name = str(op.attributes["name"])
@@ -503,7 +556,7 @@ class Trainer:
                             events.write("eval", step=step, name=name, metrics=results, batches=batches,
                                          seconds=time.perf_counter() - eval_started)
                             reporter.say(f"step {step} {name}: {format_metrics(last_evals[name])}")
-                    if exp.checkpoint_every and (step % exp.checkpoint_every == 0 or step == exp.steps):
+                    if plan.checkpoint_every and (step % plan.checkpoint_every == 0 or step == plan.steps):
                         self.checkpoint(events, reporter, step)
                 if status == "interrupted":
                     self.checkpoint(events, reporter, step)
@@ -526,7 +579,7 @@ class Trainer:
 
     def summary_lines(self, result: RunResult, seconds: float) -> list[tuple[str, Any]]:
         lines: list[tuple[str, Any]] = [
-            ("status", f"{result.status} at step {result.step}/{self.exp.steps} in {format_seconds(seconds)}"
+            ("status", f"{result.status} at step {result.step}/{self.plan.steps} in {format_seconds(seconds)}"
                        + (f" ({result.message})" if result.message and result.status != "done" else "")),
         ]
         if result.train_loss is not None:
@@ -541,6 +594,12 @@ class Trainer:
         lines.append(("record", f"{display_path(str(self.out_dir))}/events.jsonl"))
         lines.append(("plot", f"sexpgpu plot {display_path(str(self.out_dir))}"))
         return lines
+
+
+def _output_types(func: Operation) -> dict[str, TensorType]:
+    """The type of each output of a `graph.func`, by name."""
+    ret = func.body.last_op
+    return {str(name): value.type for name, value in zip(ret.attributes["names"], ret.operands)}
 
 
 def unigram_entropy(loader: Loader, limit: int = 1 << 24) -> float | None:
@@ -574,8 +633,8 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
           interactive: bool | None = None) -> RunResult:
     """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do."""
-    require_available(device, "run")
-    experiment = Experiment(path, variant, set_flags(sets))
+    executor = open_device(device, "run")
+    plan = TrainingPlan.compile(path, variant, sets)
     resume_path = Path(resume) if resume is not None else None
     if out is not None:
         out_dir = Path(out)
@@ -587,5 +646,5 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
     if resume_path is None and (out_dir / "events.jsonl").exists():
         raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
                       f"--resume {display_path(str(out_dir))}, or choose another --out")
-    trainer = Trainer(experiment, out_dir, resume_path, stream, interactive)
-    return trainer.run(device)
+    trainer = Trainer(plan, out_dir, resume_path, stream, interactive, executor)
+    return trainer.run()

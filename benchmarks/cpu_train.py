@@ -66,7 +66,7 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     batch = trainer.train_loader.batch_at(0)
     calls = [(trainer.train, 1)]
     if trainer.train_accumulating is not None:
-        calls.append((trainer.train_accumulating, trainer.exp.microbatches - 1))
+        calls.append((trainer.train_accumulating, trainer.plan.microbatches - 1))
     grads = {name: value.copy() for name, value in trainer.train(trainer._inputs(trainer.train, batch)).outputs.items()
              if name.startswith("grad/")}
     for graph, times in calls:
@@ -110,10 +110,10 @@ def main() -> int:
     set_threads(args.threads)
 
     from sexpgpu.backends.loaders import Loader
-    from sexpgpu.backends.training import Experiment, Trainer
+    from sexpgpu.backends.training import Trainer, TrainingPlan
 
     variant = None if args.variant == "none" else args.variant
-    exp = Experiment(args.example, variant, args.sets)
+    exp = TrainingPlan.compile(args.example, variant, args.sets)
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None)
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()

@@ -25,11 +25,38 @@ What `evaluate` makes (later passes add what their docstrings say):
              evaluations = [names], diagnostics = [names]}
     graph.func @train {kind = "train"}: inputs role "param" (named by path) and
              role "batch" (named by field); returns ["loss"]; autodiff adds "grad/<path>"
+
+The constants below (graph kinds, optimizers and their defaults, reducers,
+precisions) are their one definition: the frontend, the passes and the
+backends read them from here.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from .core import OpDef, Operation, VerifyError, register_op
+
+#: The kinds (`kind` attribute) of the graphs that run the model on a microbatch: the precision
+#: policy casts them and the memory plan bounds their activations.
+MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
+#: The kinds of the graphs that update parameters from gradients once a step: their constants fold.
+OPTIMIZER_GRAPH_KINDS = ("clip", "update")
+#: Every kind of `graph.func`, in the order reports list graphs.
+GRAPH_KINDS = MODEL_GRAPH_KINDS + OPTIMIZER_GRAPH_KINDS
+
+#: Each optimizer (`exp.group` `optimizer`) and the hyperparameters a group leaves out take:
+#: PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+    "sgd": {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+}
+#: The optimizers, by name.
+OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
+#: How a diagnostic (`exp.diagnostic` `reducer`) reduces a tensor to one number (norm = √Σx²).
+REDUCERS = ("mean", "rms", "max", "min", "norm")
+#: The run's precisions (`exp.run` `precision`): f32, or bf16 compute with f32 master weights.
+PRECISIONS = ("f32", "bf16")
 
 #: The epsilon of global-norm clipping (`exp.group` `clip`): grads scale by min(1, clip / (norm + eps)),
 #: as torch.nn.utils.clip_grad_norm_ does. The clip graphs and any backend's own clipping share it.
@@ -105,5 +132,5 @@ class RunOp(_ExpOp):
     @classmethod
     def verify(cls, op: Operation) -> None:
         super().verify(op)
-        if op.attributes["precision"] not in ("f32", "bf16"):
-            raise VerifyError(f"precision must be f32 or bf16, got {op.attributes['precision']}", op)
+        if op.attributes["precision"] not in PRECISIONS:
+            raise VerifyError(f"precision must be {' or '.join(PRECISIONS)}, got {op.attributes['precision']}", op)

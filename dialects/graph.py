@@ -2,10 +2,13 @@
 
 Families: input, const, unary, binary, compare, select, reduce, shape,
 contract, index, cast, emit (plus the structural `graph.func` and
-`graph.return`). Binary, compare and select ops take operands of one shape:
-broadcasting is always an explicit `graph.broadcast`. Every op infers its
-result type from its operands and attributes, and its verifier rejects bad
-shapes with both shapes in the message.
+`graph.return`). An op's family and its other traits are its row in the
+traits table (`dialects/traits.py`); `graph_op` registers an op with them.
+Binary, compare and select ops take operands of one shape: broadcasting is
+always an explicit `graph.broadcast`. Every op infers its result type from
+its operands and attributes, and its verifier rejects bad shapes with both
+shapes in the message. The typed accessors at the end read the attributes
+passes read (`transpose_perm(op)` rather than `op.attributes["perm"]`).
 """
 
 from __future__ import annotations
@@ -13,16 +16,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from attrs import frozen
+
 from .core import (
     DTYPES,
     FLOAT_DTYPES,
     INT_DTYPES,
+    REGISTRY,
     OpDef,
     Operation,
     TensorType,
+    Value,
     VerifyError,
     register_op,
 )
+from .traits import OP_TRAITS, Trait, has_trait, kind_of, ops_with
 
 
 class ShapeError(VerifyError):
@@ -77,20 +85,34 @@ def _same_dtype(name: str, operands: Sequence[TensorType]) -> None:
             raise ShapeError(f"'{name}' operands have dtypes {first.dtype} and {t.dtype}")
 
 
+def graph_op(opdef: type[OpDef]) -> type[OpDef]:
+    """Register a graph op kind with the family and purity of its row in the traits table."""
+    if opdef.name not in OP_TRAITS:
+        raise ValueError(f"op {opdef.name} has no row in the traits table (dialects/traits.py)")
+    opdef.family = kind_of(opdef.name).value
+    opdef.pure = Trait.PURE in OP_TRAITS[opdef.name]
+    return register_op(opdef)
+
+
+def _graph_ops(base: type[OpDef], kind: Trait, prefix: str = "") -> None:
+    """One op kind on `base` (its verifier) for each op the traits table gives `kind`."""
+    for name in sorted(ops_with(kind)):
+        short = name.removeprefix("graph.").capitalize()
+        graph_op(type(f"{prefix}{short}Op", (base,), {"name": name}))
+
+
 # -- structure ---------------------------------------------------------------------------------
 
 
-@register_op
+@graph_op
 class FuncOp(OpDef):
     """`graph.func @name { ... }`: one graph; its block ends with `graph.return`."""
 
     name = "graph.func"
-    family = "func"
     num_operands = 0
     num_results = 0
     num_regions = 1
     required_attrs = ("sym_name",)
-    pure = False
 
     @classmethod
     def verify(cls, op: Operation) -> None:
@@ -109,15 +131,13 @@ class FuncOp(OpDef):
             defined.update(id(r) for r in inner.results)
 
 
-@register_op
+@graph_op
 class ReturnOp(OpDef):
     """`graph.return %a, %b {names = [...]}`: the graph's named outputs."""
 
     name = "graph.return"
-    family = "func"
     num_results = 0
     required_attrs = ("names",)
-    pure = False
     is_terminator = True
 
     @classmethod
@@ -133,15 +153,13 @@ class ReturnOp(OpDef):
 INPUT_ROLES = ("param", "batch", "grad", "state", "step", "value")
 
 
-@register_op
+@graph_op
 class InputOp(OpDef):
     """`graph.input {name, role}`: a graph argument (a parameter, a batch field, a gradient, ...)."""
 
     name = "graph.input"
-    family = "input"
     num_operands = 0
     required_attrs = ("name", "role")
-    pure = False
 
     @classmethod
     def verify(cls, op: Operation) -> None:
@@ -150,12 +168,11 @@ class InputOp(OpDef):
             raise VerifyError(f"'graph.input' role must be one of {', '.join(INPUT_ROLES)}", op)
 
 
-@register_op
+@graph_op
 class ConstOp(OpDef):
     """`graph.const {value = 0.5}`: a splat constant of the result type (or a nested list)."""
 
     name = "graph.const"
-    family = "const"
     num_operands = 0
     required_attrs = ("value",)
 
@@ -181,27 +198,20 @@ class ConstOp(OpDef):
 
 
 class _Unary(OpDef):
-    family = "unary"
     num_operands = 1
-    float_only: ClassVar[bool] = True
 
     @classmethod
     def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         (x,) = operands
-        if cls.float_only and x.dtype not in FLOAT_DTYPES:
+        if x.dtype not in FLOAT_DTYPES and has_trait(cls.name, Trait.FLOAT_ONLY):
             raise ShapeError(f"'{cls.name}' needs a float operand, got {x.dtype}")
         return [x]
 
 
-UNARY_OPS = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "erf", "abs", "recip", "sin", "cos")
-for _name in UNARY_OPS:
-    register_op(
-        type(f"{_name.capitalize()}Op", (_Unary,), {"name": f"graph.{_name}", "float_only": _name not in ("neg", "abs")})
-    )
+_graph_ops(_Unary, Trait.UNARY)
 
 
 class _Binary(OpDef):
-    family = "binary"
     num_operands = 2
 
     @classmethod
@@ -211,13 +221,10 @@ class _Binary(OpDef):
         return [operands[0]]
 
 
-BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
-for _name in BINARY_OPS:
-    register_op(type(f"{_name.capitalize()}Op", (_Binary,), {"name": f"graph.{_name}"}))
+_graph_ops(_Binary, Trait.BINARY)
 
 
 class _Compare(OpDef):
-    family = "compare"
     num_operands = 2
 
     @classmethod
@@ -227,17 +234,14 @@ class _Compare(OpDef):
         return [operands[0].with_dtype("i1")]
 
 
-COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
-for _name in COMPARE_OPS:
-    register_op(type(f"{_name.capitalize()}Op", (_Compare,), {"name": f"graph.{_name}"}))
+_graph_ops(_Compare, Trait.COMPARE)
 
 
-@register_op
+@graph_op
 class WhereOp(OpDef):
     """`graph.where %cond, %a, %b`: `a` where `cond` holds, else `b`."""
 
     name = "graph.where"
-    family = "select"
     num_operands = 3
 
     @classmethod
@@ -256,7 +260,6 @@ class WhereOp(OpDef):
 class _Reduce(OpDef):
     """Reduce along `axes` (sorted, non-negative); `keep` keeps them as size 1."""
 
-    family = "reduce"
     num_operands = 1
     required_attrs = ("axes", "keep")
 
@@ -273,18 +276,15 @@ class _Reduce(OpDef):
         return [x.with_shape(shape)]
 
 
-REDUCE_OPS = ("sum", "max", "min")
-for _name in REDUCE_OPS:
-    register_op(type(f"Reduce{_name.capitalize()}Op", (_Reduce,), {"name": f"graph.{_name}"}))
+_graph_ops(_Reduce, Trait.REDUCTION, prefix="Reduce")
 
 
 # -- shape -------------------------------------------------------------------------------------
 
 
-@register_op
+@graph_op
 class ReshapeOp(OpDef):
     name = "graph.reshape"
-    family = "shape"
     num_operands = 1
     required_attrs = ("shape",)
 
@@ -298,12 +298,11 @@ class ReshapeOp(OpDef):
         return [target]
 
 
-@register_op
+@graph_op
 class TransposeOp(OpDef):
     """Permute axes: result axis i is operand axis `perm[i]`."""
 
     name = "graph.transpose"
-    family = "shape"
     num_operands = 1
     required_attrs = ("perm",)
 
@@ -316,12 +315,11 @@ class TransposeOp(OpDef):
         return [x.with_shape([x.shape[p] for p in perm])]
 
 
-@register_op
+@graph_op
 class BroadcastOp(OpDef):
     """numpy broadcasting of the operand to `shape` (dimensions aligned from the right)."""
 
     name = "graph.broadcast"
-    family = "shape"
     num_operands = 1
     required_attrs = ("shape",)
 
@@ -334,12 +332,11 @@ class BroadcastOp(OpDef):
         return [x.with_shape(shape)]
 
 
-@register_op
+@graph_op
 class SliceOp(OpDef):
     """Elements `start` to `end` (exclusive) along `axis`."""
 
     name = "graph.slice"
-    family = "shape"
     num_operands = 1
     required_attrs = ("axis", "start", "end")
 
@@ -357,12 +354,11 @@ class SliceOp(OpDef):
         return [x.with_shape(shape)]
 
 
-@register_op
+@graph_op
 class PadOp(OpDef):
     """Zeros before and after the operand along `axis` (the adjoint of slice)."""
 
     name = "graph.pad"
-    family = "shape"
     num_operands = 1
     required_attrs = ("axis", "before", "after")
 
@@ -377,10 +373,9 @@ class PadOp(OpDef):
         return [x.with_shape(shape)]
 
 
-@register_op
+@graph_op
 class ConcatOp(OpDef):
     name = "graph.concat"
-    family = "shape"
     num_operands = None
     required_attrs = ("axis",)
 
@@ -403,10 +398,9 @@ class ConcatOp(OpDef):
         return [first.with_shape(shape)]
 
 
-@register_op
+@graph_op
 class SqueezeOp(OpDef):
     name = "graph.squeeze"
-    family = "shape"
     num_operands = 1
     required_attrs = ("axis",)
 
@@ -419,10 +413,9 @@ class SqueezeOp(OpDef):
         return [x.with_shape(x.shape[:axis] + x.shape[axis + 1 :])]
 
 
-@register_op
+@graph_op
 class ExpandDimsOp(OpDef):
     name = "graph.expand_dims"
-    family = "shape"
     num_operands = 1
     required_attrs = ("axis",)
 
@@ -438,12 +431,11 @@ class ExpandDimsOp(OpDef):
 # -- contract ----------------------------------------------------------------------------------
 
 
-@register_op
+@graph_op
 class MatmulOp(OpDef):
     """numpy matmul of rank ≥ 2 operands; batch dimensions broadcast."""
 
     name = "graph.matmul"
-    family = "contract"
     num_operands = 2
 
     @classmethod
@@ -471,12 +463,11 @@ def _int_index(name: str, idx: TensorType) -> None:
         raise ShapeError(f"'{name}' indices must be i32 or i64, got {idx.dtype}")
 
 
-@register_op
+@graph_op
 class TakeOp(OpDef):
     """Gather whole slices of `x` along `axis` at `idx`: shape x[:axis] + idx + x[axis+1:]."""
 
     name = "graph.take"
-    family = "index"
     num_operands = 2
     required_attrs = ("axis",)
 
@@ -490,12 +481,11 @@ class TakeOp(OpDef):
         return [x.with_shape(x.shape[:axis] + idx.shape + x.shape[axis + 1 :])]
 
 
-@register_op
+@graph_op
 class TakeAlongOp(OpDef):
     """numpy take_along_axis: idx has x's rank; the result has idx's shape."""
 
     name = "graph.take_along"
-    family = "index"
     num_operands = 2
     required_attrs = ("axis",)
 
@@ -512,12 +502,11 @@ class TakeAlongOp(OpDef):
         return [x.with_shape(idx.shape)]
 
 
-@register_op
+@graph_op
 class ScatterAddOp(OpDef):
     """The adjoint of take: zeros of size `dim` on `axis`, `updates` slices added at `idx`."""
 
     name = "graph.scatter_add"
-    family = "index"
     num_operands = 2
     required_attrs = ("axis", "dim")
 
@@ -531,12 +520,11 @@ class ScatterAddOp(OpDef):
         return [upd.with_shape(upd.shape[:axis] + (attrs["dim"],) + upd.shape[axis + idx.rank :])]
 
 
-@register_op
+@graph_op
 class ScatterAddAlongOp(OpDef):
     """The adjoint of take-along: zeros of size `dim` on `axis`, `updates` added at `idx`."""
 
     name = "graph.scatter_add_along"
-    family = "index"
     num_operands = 2
     required_attrs = ("axis", "dim")
 
@@ -551,10 +539,9 @@ class ScatterAddAlongOp(OpDef):
         return [upd.with_shape(shape)]
 
 
-@register_op
+@graph_op
 class OneHotOp(OpDef):
     name = "graph.one_hot"
-    family = "index"
     num_operands = 1
     required_attrs = ("n",)
 
@@ -565,12 +552,11 @@ class OneHotOp(OpDef):
         return [TensorType(idx.shape + (attrs["n"],), "f32")]
 
 
-@register_op
+@graph_op
 class IotaOp(OpDef):
     """0, 1, 2, ... along `axis` of a tensor of `shape` (i32)."""
 
     name = "graph.iota"
-    family = "index"
     num_operands = 0
     required_attrs = ("shape", "axis")
 
@@ -585,10 +571,9 @@ class IotaOp(OpDef):
 # -- cast, emit --------------------------------------------------------------------------------
 
 
-@register_op
+@graph_op
 class CastOp(OpDef):
     name = "graph.cast"
-    family = "cast"
     num_operands = 1
     required_attrs = ("dtype",)
 
@@ -603,16 +588,19 @@ class CastOp(OpDef):
 class _Emit(OpDef):
     """An emit records a value under `name` when the graph runs; it is never erased."""
 
-    family = "emit"
     num_operands = 1
     num_results = 0
     required_attrs = ("name",)
-    pure = False
+    #: Where a run reports the values of this emit, by name (a call's `metrics`, ...).
+    collection: ClassVar[str]
+    #: The generic checks (one operand of any type, no result, a `name`) are the whole verifier.
+    generic_verify_suffices: ClassVar[bool] = True
 
 
-@register_op
+@graph_op
 class MetricOp(_Emit):
     name = "graph.metric"
+    collection = "metrics"
 
     @classmethod
     def verify(cls, op: Operation) -> None:
@@ -621,14 +609,113 @@ class MetricOp(_Emit):
             raise VerifyError(f"metric {op.attributes['name']} must be a scalar, got {op.operands[0].type}", op)
 
 
-@register_op
+@graph_op
 class CounterOp(_Emit):
     name = "graph.counter"
+    collection = "counters"
 
 
-@register_op
+@graph_op
 class ObserveOp(_Emit):
     name = "graph.observe"
+    collection = "observed"
 
 
-FAMILIES = ("input", "const", "unary", "binary", "compare", "select", "reduce", "shape", "contract", "index", "cast", "emit")
+
+# -- typed accessors ---------------------------------------------------------------------------
+#
+# What passes read off an op, by name and type instead of `op.attributes["..."]` string keys.
+
+
+def func_kind(func: Operation) -> str | None:
+    """A `graph.func`'s kind (`exp.GRAPH_KINDS`), None when it has none."""
+    return func.attributes.get("kind")
+
+
+def return_names(ret: Operation) -> list[str]:
+    """The names of a `graph.return`'s operands: the graph's outputs, in order."""
+    return ret.attributes["names"]
+
+
+def input_name(op: Operation) -> str:
+    """A `graph.input`'s name: a parameter path, a batch field, `grad/<path>`, ..."""
+    return op.attributes["name"]
+
+
+def input_role(op: Operation) -> str:
+    """A `graph.input`'s role, one of INPUT_ROLES."""
+    return op.attributes["role"]
+
+
+def is_input(op: Operation, role: str) -> bool:
+    """Whether `op` is a `graph.input` of `role`."""
+    return op.name == "graph.input" and op.attributes["role"] == role
+
+
+def emit_name(op: Operation) -> str:
+    """The name an emit (metric, counter, observe) records its operand under."""
+    return op.attributes["name"]
+
+
+def emit_collection(op: Operation | str) -> str:
+    """Where a run reports an emit's values: `metrics`, `counters` or `observed`."""
+    return REGISTRY.ops[op if isinstance(op, str) else op.name].collection
+
+
+def reduction_axes(op: Operation) -> list[int]:
+    """The axes a reduction reduces: sorted, unique, non-negative."""
+    return list(op.attributes["axes"])
+
+
+def keeps_axes(op: Operation) -> bool:
+    """Whether a reduction keeps its reduced axes as size 1."""
+    return bool(op.attributes["keep"])
+
+
+def transpose_perm(op: Operation) -> list[int]:
+    """A `graph.transpose`'s permutation: result axis i is operand axis `perm[i]`."""
+    return list(op.attributes["perm"])
+
+
+def op_axis(op: Operation) -> int:
+    """The one axis a slice, pad, concat, squeeze, expand_dims, take, scatter or iota works on."""
+    return op.attributes["axis"]
+
+
+def slice_bounds(op: Operation) -> tuple[int, int, int]:
+    """A `graph.slice`'s (axis, start, end): elements start to end (exclusive) of the axis."""
+    attrs = op.attributes
+    return attrs["axis"], attrs["start"], attrs["end"]
+
+
+def pad_widths(op: Operation) -> tuple[int, int, int]:
+    """A `graph.pad`'s (axis, before, after): the zeros added on each side of the axis."""
+    attrs = op.attributes
+    return attrs["axis"], attrs["before"], attrs["after"]
+
+
+def cast_dtype(op: Operation) -> str:
+    """The dtype a `graph.cast` converts to."""
+    return op.attributes["dtype"]
+
+
+def data_operand(op: Operation) -> Value:
+    """The operand a shape or index op takes its elements from: a scatter's updates, else the
+    first operand (the indices of `one_hot`)."""
+    return op.operands[1] if op.name in (ScatterAddOp.name, ScatterAddAlongOp.name) else op.operands[0]
+
+
+@frozen
+class MatmulDims:
+    """A matmul as `batch` (broadcast) products of an [m k] and a [k n] matrix."""
+
+    batch: tuple[int, ...]
+    m: int
+    k: int
+    n: int
+
+
+def matmul_dims(op: Operation) -> MatmulDims:
+    """The dimensions of a `graph.matmul` (its result's batch dimensions, m, k and n)."""
+    a, b = (v.type.shape for v in op.operands)
+    return MatmulDims(op.results[0].type.shape[:-2], a[-2], a[-1], b[-1])

@@ -1,7 +1,8 @@
 """numpy reference semantics of the elementwise graph ops, for folding and execution.
 
 One place says what `graph.add`, `graph.exp`, `graph.lt`, ... compute, so the
-folding passes and the backends cannot drift apart:
+folding passes and the backends cannot drift apart (which ops are unary,
+binary or compares is the traits table's to say: `dialects/traits.py`):
 
 - `numpy_unary()` / `numpy_binary()`: the op on numpy values of the operand's
   dtype (`numpy_dtypes()` maps dialect dtypes to numpy scalar types);
@@ -19,14 +20,6 @@ import math
 import operator
 from collections.abc import Callable
 from typing import Any
-
-UNARY_OPS = frozenset(
-    {"graph.neg", "graph.exp", "graph.log", "graph.sqrt", "graph.rsqrt", "graph.tanh", "graph.erf", "graph.abs",
-     "graph.recip", "graph.sin", "graph.cos"}
-)
-ARITH_OPS = frozenset({"graph.add", "graph.sub", "graph.mul", "graph.div", "graph.pow", "graph.maximum", "graph.minimum"})
-COMPARE_OPS = frozenset({"graph.eq", "graph.ne", "graph.lt", "graph.le", "graph.gt", "graph.ge"})
-BINARY_OPS = ARITH_OPS | COMPARE_OPS
 
 
 @functools.cache

@@ -18,13 +18,6 @@ from .modules import ModelTree, Param
 from .selection import Selection
 from .tracer import Trace
 
-#: What a diagnostic may reduce its tensors to.
-REDUCERS = ("mean", "rms", "max", "min", "norm")
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
-    "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
-    "sgd": {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
-}
 
 
 @define

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..diagnostics import Location, SxError, nearest
+from ..dialects.exp import OPTIMIZER_DEFAULTS, PRECISIONS, REDUCERS
+from ..dialects.inits import Init
 from . import modules
 from .data import Keyword, SxList, Symbol, element_loc
 from .evaluator import (
@@ -30,7 +32,6 @@ from .evaluator import (
     register_special_form,
 )
 from .experiment_definitions import (
-    REDUCERS,
     Checkpoints,
     DiagnosticDef,
     DiagnosticSource,
@@ -44,7 +45,7 @@ from .experiment_definitions import (
     Schedule,
     Source,
 )
-from .modules import Init, Shown, symbol_arg
+from .modules import Shown, symbol_arg
 from .printing import show
 from .selection import Knob, Selection, Variant
 from .tracer import EMITS, dtype_name
@@ -249,7 +250,7 @@ def _defloader(env: Env, args: list, loc: Location | None) -> Defined:
 
 # -- optimizers --------------------------------------------------------------------------------
 
-_HYPER_KEYS = {"adamw": ("betas", "eps", "weight_decay"), "sgd": ("momentum", "nesterov", "weight_decay")}
+_HYPER_KEYS = {kind: tuple(defaults) for kind, defaults in OPTIMIZER_DEFAULTS.items()}
 
 
 def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) -> dict[str, Any]:
@@ -424,8 +425,8 @@ def _defrun(env: Env, args: list, loc: Location | None) -> Defined:
     else:
         raise SxError(f"defrun :checkpoints must be none or (every N), got {show(checkpoints)}", locs["checkpoints"])
     precision = opts.get("precision", Symbol("f32"))
-    if not isinstance(precision, Symbol) or precision.name not in ("f32", "bf16"):
-        raise SxError(f"defrun :precision must be f32 or bf16, got {show(precision)}", locs.get("precision"))
+    if not isinstance(precision, Symbol) or precision.name not in PRECISIONS:
+        raise SxError(f"defrun :precision must be {' or '.join(PRECISIONS)}, got {show(precision)}", locs.get("precision"))
     run = exp.run = RunDef(
         steps=_int(opts["steps"], "defrun :steps", locs["steps"]),
         loader=loader,

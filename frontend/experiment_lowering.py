@@ -22,10 +22,11 @@ from attrs import define, field
 
 from ..diagnostics import DiagnosticSink, Location, SxError
 from ..dialects.core import Operation, Region, SymbolRef, TensorType
+from ..dialects.exp import OPTIMIZER_DEFAULTS
+from ..dialects.inits import Init
 from .data import Keyword, TensorLike
 from .evaluator import invoke
 from .experiment_definitions import (
-    OPTIMIZER_DEFAULTS,
     DiagnosticDef,
     EvaluationDef,
     ExperimentDefinition,
@@ -34,7 +35,6 @@ from .experiment_definitions import (
     RunDef,
     Schedule,
 )
-from .modules import Init
 from .selection import plain_value
 from .tracer import NAME_OF_DTYPE, Tensor, Trace, as_tensor, describe, tracing
 

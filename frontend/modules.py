@@ -9,23 +9,21 @@ shape :init init)` registers a parameter at `path.name`, `(sub name expr)` runs
 path; calling it at top level is an error. `(defmodel model (ctor …))` runs a
 constructor at the root path `model`.
 
-A parameter's initial value is a function of (run seed, path) only: its numbers
-come from numpy's Philox generator keyed by the first 16 bytes of
-``blake2b(f"{seed}:{path}")``, so adding or reordering parameters never
-changes the others.
+A parameter's `:init` is an `Init` (`dialects/inits.py`, which also computes
+the initial values from the run seed and the parameter's path).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attrs import define, field
 
 from ..diagnostics import Location, SxError
+from ..dialects.inits import Init
 from .data import Keyword, SxList, Symbol
 from .evaluator import (
     Builtin,
@@ -39,24 +37,6 @@ from .evaluator import (
 )
 from .printing import show
 from .tracer import Tensor, Trace, Traceable, describe, dtype_name, module_path, require_trace
-
-if TYPE_CHECKING:
-    import numpy as np
-
-
-@define(frozen=True)
-class Init:
-    """A parameter initializer: `normal`, `uniform`, `zeros`, `ones` or `constant`, with its numbers."""
-
-    kind: str
-    args: dict[str, float] = field(factory=dict)
-
-    def __sx_repr__(self) -> str:
-        inner = " ".join(show(v) for v in self.args.values())
-        return f"#<init {self.kind}{' ' + inner if inner else ''}>"
-
-    def as_attribute(self) -> dict[str, Any]:
-        return {"kind": self.kind, **self.args}
 
 
 def _normal(loc: Location | None, std: object) -> Init:
@@ -75,30 +55,6 @@ def _located_number(x: object, what: str, loc: Location | None) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise SxError(f"{what} must be a number, got {describe(x)}", loc)
     return float(x)
-
-
-def seed_key(seed: int, path: str) -> int:
-    """The 128-bit Philox key of a parameter: a stable hash of the run seed and its path."""
-    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=16).digest()
-    return int.from_bytes(digest, "little")
-
-
-def initial_value(init: Init, shape: tuple[int, ...], seed: int, path: str) -> np.ndarray:
-    """The f32 initial value of the parameter at `path` for the run seed `seed`."""
-    import numpy as np  # here, not at the top: `sexpgpu check` needs no numpy
-
-    if init.kind == "zeros":
-        return np.zeros(shape, np.float32)
-    if init.kind == "ones":
-        return np.ones(shape, np.float32)
-    if init.kind == "constant":
-        return np.full(shape, init.args["value"], np.float32)
-    rng = np.random.Generator(np.random.Philox(key=seed_key(seed, path)))
-    if init.kind == "normal":
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(init.args["std"])).astype(np.float32)
-    if init.kind == "uniform":
-        return rng.uniform(init.args["lo"], init.args["hi"], shape).astype(np.float32)
-    raise ValueError(f"unknown init {init.kind}")
 
 
 class Param(Traceable):

@@ -28,6 +28,7 @@ from typing import Any
 from ..diagnostics import Location, SxError
 from ..dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region, TensorType, Value
 from ..dialects.graph import ShapeError, broadcast_shapes, show_shape
+from ..dialects.traits import Trait, has_trait
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
 from .evaluator import OPERAND_LOCATED, register_builtin, user_location
 
@@ -306,7 +307,7 @@ def _unary(op: str) -> Callable[..., Any]:
         loc = _op_loc(loc)
         trace = require_trace(f"'{op}'", loc)
         t = as_tensor(x, trace, loc, op)
-        if op not in ("neg", "abs") and t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES and has_trait(f"graph.{op}", Trait.FLOAT_ONLY):
             t = trace.value("cast", [t.value], loc, dtype="f32")
         return trace.value(op, [t.value], loc)
 

@@ -15,7 +15,8 @@ copy the forward op's `path` attribute (the model path the tracer stamps),
 so reports and the bf16 policy see backward ops where their forward op is.
 Emits
 (metric, counter, observe) are sinks and are not differentiated; compares,
-`one_hot`, `iota` and casts to integers carry no gradient.
+`one_hot`, `iota` and casts to integers carry no gradient (`NO_GRADIENT`
+lists the ops that have no rule on purpose).
 
 Choices worth knowing:
 
@@ -43,6 +44,7 @@ from attrs import define
 
 from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, TensorType, Value
+from ..dialects.traits import Trait, ops_with
 from .canonicalize import Canonicalize
 from .cse import CommonSubexpressionElimination
 from .dce import DeadCodeElimination
@@ -128,7 +130,7 @@ def _active_values(ops: Sequence[Operation], params: Sequence[Value], loss: Valu
     """Float values that depend on a param and that the loss depends on."""
     varying = set(params)
     for op in ops:
-        if op.family != "emit" and any(v in varying for v in op.operands):
+        if op.name not in NO_GRADIENT and any(v in varying for v in op.operands):
             varying.update(r for r in op.results if is_float(r))
     useful = {loss}
     for op in reversed(ops):
@@ -217,6 +219,13 @@ class _Adjoints:
 
 Rule = Callable[[_Adjoints, Operation, Value, list[bool]], Sequence[Value | None]]
 RULES: dict[str, Rule] = {}
+#: The graph ops with no rule on purpose, because no gradient flows through them: the structure
+#: and the emits (sinks), inputs and constants (leaves), compares (boolean results) and
+#: `one_hot` (integer operand). Every other graph op has a rule (test_op_coverage checks).
+NO_GRADIENT = (
+    ops_with(Trait.FUNC) | ops_with(Trait.EMIT) | ops_with(Trait.INPUT) | ops_with(Trait.CONSTANT_LIKE)
+    | ops_with(Trait.COMPARE) | {"graph.one_hot"}
+)
 
 
 def _rule(*names: str) -> Callable[[Rule], Rule]:

@@ -23,8 +23,7 @@ names. The arithmetic is exactly torch.optim's (single-tensor path):
 
 `lr` is the group's schedule evaluated from `step` inside the graph
 (`schedules.build_schedule`). Missing hyperparameters take torch's defaults
-(adamw: betas [0.9, 0.999], eps 1e-8, weight_decay 0.01; sgd: momentum 0,
-nesterov false, weight_decay 0).
+(`exp.OPTIMIZER_DEFAULTS`).
 
 Clipping: groups with `clip` set get a graph with every member gradient in
 (`grad/<path>`, role grad) and the clipped gradients out under the same names,
@@ -46,12 +45,9 @@ from attrs import define
 
 from ..diagnostics import Location, SxError
 from ..dialects.core import Builder, Operation, Region, TensorType, Value
-from ..dialects.exp import CLIP_EPS
+from ..dialects.exp import CLIP_EPS, OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .manager import CompilationUnit, Pass, register_pass
 from .schedules import SCALAR, build_schedule, scalar_const
-
-ADAMW_DEFAULTS: dict[str, Any] = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-SGD_DEFAULTS: dict[str, Any] = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
 
 
 def new_graph(module: Operation, name: str, attributes: dict[str, Any], loc: Location | None) -> Builder:
@@ -99,10 +95,7 @@ class BuildUpdates(Pass):
         self._build_clips(module, groups, params)
         for group in groups:
             optimizer = group.attributes["optimizer"]
-            hyper = {
-                **(ADAMW_DEFAULTS if optimizer == "adamw" else SGD_DEFAULTS),
-                **group.attributes.get("hyper", {}),
-            }
+            hyper = {**OPTIMIZER_DEFAULTS[optimizer], **group.attributes.get("hyper", {})}
             names = state_names(optimizer, hyper)
             counts = dict.fromkeys(names, 0)
             for path in group.attributes["members"]:
@@ -115,8 +108,9 @@ class BuildUpdates(Pass):
     @staticmethod
     def _check(group: Operation, params: dict[str, Operation], existing: set[str]) -> None:
         name, optimizer = group.attributes["name"], group.attributes["optimizer"]
-        if optimizer not in ("adamw", "sgd"):
-            raise SxError(f"group '{name}': unknown optimizer '{optimizer}' (known: adamw, sgd)", group.loc)
+        if optimizer not in OPTIMIZERS:
+            raise SxError(f"group '{name}': unknown optimizer '{optimizer}' (known: {', '.join(OPTIMIZERS)})",
+                          group.loc)
         if "lr" not in group.attributes.get("hyper", {}):
             raise SxError(f"group '{name}' has no learning rate", group.loc)
         for path in group.attributes["members"]:

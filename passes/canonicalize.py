@@ -19,16 +19,16 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import FLOAT_DTYPES, Operation, Value
+from ..dialects.graph import op_axis, pad_widths, transpose_perm
 from ..dialects.graph_semantics import (
-    BINARY_OPS,
     FLOAT64_ARITH,
     FLOAT64_COMPARE,
     FLOAT64_UNARY,
-    UNARY_OPS,
     numpy_binary,
     numpy_dtypes,
     numpy_unary,
 )
+from ..dialects.traits import SPLAT_PRESERVING_OPS, Trait, has_trait, ops_with
 from .dce import graph_funcs
 from .manager import CompilationUnit, Pass, register_pass
 from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
@@ -61,17 +61,16 @@ def _python_scalar(x: Any, dtype: str) -> Any:
 
 
 class _Identity(RewritePattern):
-    """`op(x, c)` (and `op(c, x)` when `commutative`) is `x` when `c` is a splat of `unit`."""
+    """`op(x, c)` (and `op(c, x)` when the op is commutative) is `x` when `c` is a splat of `unit`."""
 
     unit: float = 0.0
-    commutative = False
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         x, c = op.operands
         if _is_splat_of(c, self.unit):
             rewriter.replace_op(op, [x])
             return True
-        if self.commutative and _is_splat_of(x, self.unit):
+        if has_trait(op, Trait.COMMUTATIVE) and _is_splat_of(x, self.unit):
             rewriter.replace_op(op, [c])
             return True
         return False
@@ -82,7 +81,6 @@ class AddZero(_Identity):
 
     op_names = ("graph.add",)
     unit = 0.0
-    commutative = True
 
 
 class SubZero(_Identity):
@@ -97,7 +95,6 @@ class MulOne(_Identity):
 
     op_names = ("graph.mul",)
     unit = 1.0
-    commutative = True
 
 
 class DivOne(_Identity):
@@ -132,9 +129,9 @@ class MulZero(RewritePattern):
 
 
 class SelfInverse(RewritePattern):
-    """`neg(neg(x)) → x`."""
+    """An involution applied twice is its operand: `neg(neg(x)) → x`."""
 
-    op_names = ("graph.neg",)
+    op_names = tuple(sorted(ops_with(Trait.INVOLUTION)))
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         inner = op.operands[0].op
@@ -154,10 +151,9 @@ class NoOpShape(RewritePattern):
         x = op.operands[0]
         if op.result.type != x.type:
             return False
-        attrs = op.attributes
-        if op.name == "graph.transpose" and list(attrs["perm"]) != list(range(x.type.rank)):
+        if op.name == "graph.transpose" and transpose_perm(op) != list(range(x.type.rank)):
             return False
-        if op.name == "graph.pad" and (attrs["before"] or attrs["after"]):
+        if op.name == "graph.pad" and any(pad_widths(op)[1:]):
             return False
         rewriter.replace_op(op, [x])
         return True
@@ -177,15 +173,15 @@ class ComposeShapeChains(RewritePattern):
             return False
         x = inner.operands[0] if inner.operands else None
         if op.name in self._INVERSES:
-            if inner.name == self._INVERSES[op.name] and inner.attributes["axis"] == op.attributes["axis"]:
+            if inner.name == self._INVERSES[op.name] and op_axis(inner) == op_axis(op):
                 rewriter.replace_op(op, [x])
                 return True
             return False
         if inner.name != op.name:
             return False
         if op.name == "graph.transpose":
-            outer_perm, inner_perm = op.attributes["perm"], inner.attributes["perm"]
-            attributes = {"perm": [inner_perm[p] for p in outer_perm]}
+            inner_perm = transpose_perm(inner)
+            attributes = {"perm": [inner_perm[p] for p in transpose_perm(op)]}
         else:
             attributes = dict(op.attributes)
         rewriter.replace_op(op, rewriter.create(op.name, [x], attributes, loc=op.loc))
@@ -250,11 +246,9 @@ def _exact_f32_fold(name: str, scalars: list[Any]) -> Any:
 
 #: Integer division and power round differently across backends; those fold for floats only.
 _FLOAT_ONLY = frozenset({"graph.div", "graph.pow"})
-#: Ops whose result is a splat of the operand's scalar when the operand is a splat.
-_SPLAT_PRESERVING = frozenset(
-    {"graph.reshape", "graph.transpose", "graph.broadcast", "graph.slice", "graph.squeeze", "graph.expand_dims",
-     "graph.max", "graph.min"}
-)
+#: Ops whose fold computes the result from the operands' scalars: the elementwise ops but
+#: `where` (which `SelectOfKnown` folds).
+_COMPUTED = ops_with(Trait.ELEMENTWISE) - ops_with(Trait.SELECT)
 
 
 class FoldSplatConstants(RewritePattern):
@@ -262,7 +256,7 @@ class FoldSplatConstants(RewritePattern):
     splat constants becomes a splat constant, computed in the operand dtype as the
     backends compute it."""
 
-    op_names = (*sorted(UNARY_OPS), *sorted(BINARY_OPS), "graph.cast", *_SPLAT_PRESERVING)
+    op_names = tuple(sorted(_COMPUTED | SPLAT_PRESERVING_OPS))
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         if not op.operands:
@@ -284,7 +278,7 @@ class FoldSplatConstants(RewritePattern):
         """The folded scalar, or None when folding would not be exact or portable."""
         in_dtype = op.operands[0].type.dtype
         out_dtype = op.result.type.dtype
-        if op.name in _SPLAT_PRESERVING:
+        if op.name in SPLAT_PRESERVING_OPS:
             return scalars[0]
         if in_dtype == "f32" and out_dtype in ("f32", "i1") and op.name != "graph.cast":
             exact = _exact_f32_fold(op.name, scalars)

@@ -25,19 +25,10 @@ import math
 from attrs import define
 
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation
+from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
 from ..dialects.graph_semantics import FLOAT64_ARITH, FLOAT64_UNARY
+from ..dialects.traits import SPLAT_PRESERVING_OPS
 from .manager import CompilationUnit, Pass, register_pass
-
-FOLDED_KINDS = ("update", "clip")
-
-SPLAT_SHAPE_OPS = (
-    "graph.broadcast",
-    "graph.reshape",
-    "graph.transpose",
-    "graph.squeeze",
-    "graph.expand_dims",
-    "graph.slice",
-)
 
 
 def splat_value(op: Operation | None) -> float | None:
@@ -55,13 +46,11 @@ def fold_value(op: Operation, operands: list[float]) -> float | None:
             result = FLOAT64_UNARY[op.name](*operands)
         elif op.name in FLOAT64_ARITH:
             result = FLOAT64_ARITH[op.name](*operands)
-        elif op.name in SPLAT_SHAPE_OPS:
+        elif op.name in SPLAT_PRESERVING_OPS:
             result = operands[0]
         elif op.name == "graph.sum":
             x = op.operands[0].type
             result = operands[0] * float(math.prod(x.shape[a] for a in op.attributes["axes"]))
-        elif op.name in ("graph.max", "graph.min"):
-            result = operands[0]
         else:
             return None
     except (ValueError, ZeroDivisionError, OverflowError):
@@ -112,7 +101,7 @@ class FoldConstants(Pass):
         module = unit.require_module(self.name)
         constants: dict[str, set[float]] = {}
         for func in module.body.ops:
-            if func.name != "graph.func" or func.attributes.get("kind") not in FOLDED_KINDS:
+            if func.name != "graph.func" or func.attributes.get("kind") not in OPTIMIZER_GRAPH_KINDS:
                 continue
             fold_graph(func)
             owners = func.attributes.get("groups") or [func.attributes.get("group")]

@@ -37,12 +37,16 @@ from attrs import define
 
 from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Value
+from ..dialects.exp import MODEL_GRAPH_KINDS, PRECISIONS
+from ..dialects.graph import data_operand, func_kind
+from ..dialects.traits import Trait, has_trait, ops_with
 from .manager import CompilationUnit, Pass, register_pass
 
-POLICIES = ("auto", "f32", "bf16")
-CAST_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
-POINTWISE = ("unary", "binary", "select")
-PASSTHROUGH = ("shape", "index")
+POLICIES = ("auto", *PRECISIONS)
+#: Ops that compute in the precision the policy picks for them.
+POINTWISE = ops_with(Trait.UNARY) | ops_with(Trait.BINARY) | ops_with(Trait.SELECT)
+#: Ops whose result is f32-kept when their data operand is.
+PASSTHROUGH = ops_with(Trait.SHAPE) | ops_with(Trait.INDEX)
 
 
 @define
@@ -81,34 +85,27 @@ class GraphCaster:
 
     def rewrite(self, op: Operation) -> bool:
         """Cast the operands of `op` per the policy; True when it runs in f32 by the keep rule."""
-        family = op.family
         floats = self.float_operands(op)
         kept = False
-        if family == "contract":
+        if has_trait(op, Trait.CONTRACTION):
             for i in floats:
                 self.cast(op, i, "bf16")
-        elif family in POINTWISE and floats:
+        elif op.name in POINTWISE and floats:
             kept = any(self.is_kept(op.operands[i]) for i in floats)
             for i in floats:
                 self.cast(op, i, "f32" if kept else "bf16")
-        elif family == "reduce":
+        elif has_trait(op, Trait.REDUCTION):
             kept = True
             self.cast(op, 0, "f32")
-        elif family == "compare" or op.name == "graph.concat":
+        elif has_trait(op, Trait.COMPARE) or op.name == "graph.concat":
             if len({op.operands[i].type.dtype for i in floats}) > 1:
                 for i in floats:
                     self.cast(op, i, "f32")
-        elif family == "emit" or op.name == "graph.return":
+        elif has_trait(op, Trait.EMIT) or op.name == "graph.return":
             for i in floats:
                 self.cast(op, i, "f32")
-        if family in PASSTHROUGH and op.operands:
-            data = (
-                op.operands[1]
-                if op.name in ("graph.scatter_add", "graph.scatter_add_along")
-                else op.operands[0]
-            )
-            if self.is_kept(data):
-                self.kept.update(id(r) for r in op.results)
+        if op.name in PASSTHROUGH and op.operands and self.is_kept(data_operand(op)):
+            self.kept.update(id(r) for r in op.results)
         if kept:
             self.kept.update(id(r) for r in op.results)
         opdef = op.opdef
@@ -149,7 +146,7 @@ class InsertCasts(Pass):
         kept_f32: list[dict[str, Any]] = unit.facts.setdefault("kept_f32", [])
         unit.facts["cast_policy"] = policy
         for func in module.body.ops:
-            if func.name != "graph.func" or func.attributes.get("kind") not in CAST_KINDS:
+            if func.name != "graph.func" or func_kind(func) not in MODEL_GRAPH_KINDS:
                 continue
             name = func.attributes["sym_name"]
             if policy == "f32":

@@ -29,9 +29,9 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import Operation, Value
+from ..dialects.exp import MODEL_GRAPH_KINDS
 from .manager import CompilationUnit, Pass, register_pass
 
-PLANNED_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
 LARGEST = 10
 
 
@@ -106,7 +106,7 @@ class PlanMemory(Pass):
         module = unit.require_module(self.name)
         memory = unit.facts.setdefault("memory", {})
         for func in module.body.ops:
-            if func.name == "graph.func" and func.attributes.get("kind") in PLANNED_KINDS:
+            if func.name == "graph.func" and func.attributes.get("kind") in MODEL_GRAPH_KINDS:
                 memory[func.attributes["sym_name"]] = plan_graph(func)
 
 

@@ -38,12 +38,11 @@ from attrs import define
 
 from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
+from ..dialects.exp import REDUCERS
+from ..dialects.graph import emit_name, func_kind, input_name, input_role, is_input, return_names
+from ..dialects.traits import Trait, has_trait
 from .autodiff import GRAD_PREFIX, func_name
 from .manager import CompilationUnit, Pass, register_pass
-
-REDUCERS = ("mean", "rms", "max", "min", "norm")
-EMITS = ("graph.metric", "graph.counter", "graph.observe")
-
 
 # -- shared: finding and cloning the train graph ------------------------------------------------
 
@@ -51,8 +50,8 @@ EMITS = ("graph.metric", "graph.counter", "graph.observe")
 def train_graph(module: Operation, needs_grads: bool = False) -> Operation:
     """The module's `graph.func` with kind = "train"."""
     for op in module.body.ops:
-        if op.name == "graph.func" and op.attributes.get("kind") == "train":
-            if needs_grads and not any(n.startswith(GRAD_PREFIX) for n in op.body.last_op.attributes["names"]):
+        if op.name == "graph.func" and func_kind(op) == "train":
+            if needs_grads and not any(n.startswith(GRAD_PREFIX) for n in return_names(op.body.last_op)):
                 raise SxError(f"@{func_name(op)} has no gradient outputs: run 'autodiff' first", op.loc)
             return op
     raise SxError("the module has no graph.func with kind = \"train\"")
@@ -121,7 +120,7 @@ def build_accumulating(module: Operation, train: Operation) -> Operation:
     ret = func.body.last_op
     inputs = [op for op in func.body.ops if op.name == "graph.input"]
     builder = Builder(func.body, anchor=inputs[-1].next_op if inputs else func.body.first_op)
-    for index, name in enumerate(ret.attributes["names"]):
+    for index, name in enumerate(return_names(ret)):
         if not name.startswith(GRAD_PREFIX):
             continue
         fresh = ret.operands[index]
@@ -164,7 +163,7 @@ def build_stacked(module: Operation, train: Operation, k: int) -> Operation:
         if op.name != "graph.input":
             continue
         t = op.result.type
-        if op.attributes["role"] == "batch":
+        if input_role(op) == "batch":
             stacked[op.result] = builder.create(op.name, [], dict(op.attributes),
                                                 result_types=[t.with_shape((k,) + t.shape)], loc=op.loc).result
         else:
@@ -179,15 +178,15 @@ def build_stacked(module: Operation, train: Operation, k: int) -> Operation:
             one = builder.value("graph.slice", whole, axis=0, start=i, end=i + 1)
             values[field] = builder.value("graph.squeeze", one, axis=0)
         for op in train.body.ops:
-            if op.name in EMITS:
-                emitted.setdefault((op.name, op.attributes["name"]), []).append(values[op.operands[0]])
+            if has_trait(op, Trait.EMIT):
+                emitted.setdefault((op.name, emit_name(op)), []).append(values[op.operands[0]])
             elif op.name not in ("graph.input", "graph.return"):
                 copy_op(op, values, builder)
         for index, value in enumerate(ret.operands):
             outputs[index].append(values[value])
     builder.loc = ret.loc
     results = [_combine(builder, copies, averaged=not name.startswith(GRAD_PREFIX))
-               for name, copies in zip(ret.attributes["names"], outputs)]
+               for name, copies in zip(return_names(ret), outputs)]
     for (kind, name), copies in emitted.items():
         if kind != "graph.observe":
             builder.create(kind, [_combine(builder, copies, averaged=kind == "graph.metric")], {"name": name})
@@ -259,10 +258,10 @@ def _diagnosable(func: Operation) -> dict[str, dict[str, Value]]:
     found: dict[str, dict[str, Value]] = {"observed": {}, "grads": {}, "params": {}}
     for op in func.body.ops:
         if op.name == "graph.observe":
-            found["observed"][op.attributes["name"]] = op.operands[0]
-        elif op.name == "graph.input" and op.attributes["role"] == "param":
-            found["params"][op.attributes["name"]] = op.result
-    for name, value in zip(ret.attributes["names"], ret.operands):
+            found["observed"][emit_name(op)] = op.operands[0]
+        elif is_input(op, "param"):
+            found["params"][input_name(op)] = op.result
+    for name, value in zip(return_names(ret), ret.operands):
         if name.startswith(GRAD_PREFIX):
             found["grads"][name[len(GRAD_PREFIX):]] = value
     return found

@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .diagnostics import SxError
 from .dialects.core import Operation
+
+if TYPE_CHECKING:
+    from .backends.executor import Executable, Executor
 
 
 class Experiment:
@@ -37,7 +40,8 @@ class Experiment:
         self._evaluations = {str(op.attributes["name"]) for op in ops if op.name == "exp.evaluation"}
         self._params = [op for op in ops if op.name == "exp.param"]
         self._run = next(op for op in ops if op.name == "exp.run")
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[str, Executable] = {}
+        self._executor: Executor | None = None
 
     @property
     def selection(self) -> dict[str, tuple[Any, str]]:
@@ -60,34 +64,32 @@ class Experiment:
 
     def init_params(self) -> dict[str, np.ndarray]:
         """Every parameter's initial value, a function of the run seed and its path only."""
-        from .frontend.modules import Init, initial_value
+        from .dialects.inits import initial_params
 
-        params = {}
-        for op in self._params:
-            init = dict(op.attributes["init"])
-            kind = str(init.pop("kind"))
-            path = str(op.attributes["path"])
-            params[path] = initial_value(Init(kind, init), tuple(op.attributes["type"].shape), self.seed, path)
-        return params
+        return initial_params(self._params, self.seed)
 
     def run_graph(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run graph `name` on the interpreter.
+        """Run graph `name` on the `cpu` executor (the numpy interpreter).
 
         `"train"` returns `{"loss", "grads": {path: array}, "metrics", "counters"}`; an
         evaluation, named by its evaluation, returns its metrics.
         """
-        from .backends.interpreter import compile_graph
+        from .devices import open_device
 
         func = self._graphs.get(name)
         if func is None:
             raise SxError(f"the experiment has no graph '{name}' (graphs: {', '.join(self._graphs)})")
+        if self._executor is None:
+            self._executor = open_device("cpu", "run_graph")
+        executor = self._executor
         graph = self._compiled.get(name)
         if graph is None:
-            graph = self._compiled[name] = compile_graph(func)
-        result = graph(inputs)
+            graph = self._compiled[name] = executor.compile(func)
+        # Only what the graph reads goes to the device; a missing input is the graph's error to report.
+        result = graph({spec.name: executor.upload(inputs[spec.name]) for spec in graph.inputs if spec.name in inputs})
         if name in self._evaluations:
             return dict(result.metrics)
-        outputs = dict(result.outputs)
+        outputs = {key: executor.download(value) for key, value in result.outputs.items()}
         out: dict[str, Any] = {
             "grads": {key[len("grad/"):]: value for key, value in outputs.items() if key.startswith("grad/")},
             "metrics": dict(result.metrics),

@@ -1,11 +1,14 @@
-"""The devices a verb can target, and what this build can open."""
+"""The devices a verb can target, and opening their executors (backends/executor.py)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from .backends.executor import Executor, open_executor, unavailable_reason
 from .diagnostics import SxError, UsageError
 
+#: What `--device` accepts; whether this build and machine can open one is the executor registry's answer.
 DEVICES = ("cpu", "cuda")
 
 
@@ -14,10 +17,25 @@ def default_device() -> str:
     return os.environ.get("SEXPGPU_DEVICE") or "cpu"
 
 
+def _register_builtin_executors() -> None:
+    # Importing a backend package registers its executor; here, not at the top, so that parsing
+    # a command line loads no backend.
+    from .backends import cuda, interpreter  # noqa: F401
+
+
 def require_available(device: str, verb: str) -> None:
-    """A usage error for an unknown device; a user error for CUDA, which this build has no executor for."""
+    """A usage error for an unknown device; a user error, with the registry's reason, for one that
+    this build has no executor for or that cannot open on this machine."""
     if device not in DEVICES:
-        raise UsageError(f"--device must be cpu or cuda, not {device}")
-    if device == "cuda":
-        raise SxError(f"the CUDA executor is not available in this build, so {verb} --device cuda cannot run; "
+        raise UsageError(f"--device must be {' or '.join(DEVICES)}, not {device}")
+    _register_builtin_executors()
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise SxError(f"the {device.upper()} executor {reason}, so {verb} --device {device} cannot run; "
                       "use --device cpu (or unset SEXPGPU_DEVICE)")
+
+
+def open_device(device: str, verb: str, **options: Any) -> Executor:
+    """The executor of `device` for `verb`, after `require_available`."""
+    require_available(device, verb)
+    return open_executor(device, **options)

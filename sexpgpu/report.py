@@ -15,14 +15,11 @@ from typing import Any
 
 from .diagnostics import display_path
 from .dialects.core import Operation, TensorType
+from .dialects.exp import GRAPH_KINDS
 from .dialects.printer import attribute_json
+from .dialects.traits import FAMILIES
 from .version import __version__
 
-#: The order op families are listed in (the graph dialect's families).
-FAMILY_ORDER = (
-    "input", "const", "unary", "binary", "compare", "select", "reduce",
-    "shape", "contract", "index", "cast", "emit",
-)
 #: Rows of largest tensors kept per graph in the document.
 LARGEST_KEPT = 10
 #: Rows of largest tensors the text shows for graphs other than `train` (the document keeps ten).
@@ -48,12 +45,7 @@ KIND_TITLES = {
 }
 
 #: The order graphs are reported in, by kind (a step's graphs, then evaluations, clipping, updates).
-GRAPH_ORDER = {
-    kind: i
-    for i, kind in enumerate(
-        ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation", "clip", "update")
-    )
-}
+GRAPH_ORDER = {kind: i for i, kind in enumerate(GRAPH_KINDS)}
 
 
 # -- number formats shared by explain and diff ------------------------------------------------
@@ -235,7 +227,7 @@ def _graphs(funcs: list[Operation], casts: dict[str, int]) -> list[dict[str, Any
                     emit = {"kind": op.name.removeprefix("graph."), "name": op.attributes["name"]}
                     if emit not in emits:
                         emits.append(emit)
-        order = [f for f in FAMILY_ORDER if f in families] + sorted(f for f in families if f not in FAMILY_ORDER)
+        order = [f for f in FAMILIES if f in families] + sorted(f for f in families if f not in FAMILIES)
         out.append(
             {
                 "name": title,

@@ -37,16 +37,17 @@ from attrs import define, frozen
 
 from ...diagnostics import SxError
 from ...dialects.core import Operation, TensorType, Value
+from ...dialects.graph import emit_collection
+from ...dialects.traits import Trait, ops_with
 from .dtypes import DtypePolicy
 from .kernels import batch_summed_matmul, constant_value, kernel_for
 
 #: Ops whose result is a view of their operand's storage.
-VIEW_OPS = frozenset(
-    {"graph.reshape", "graph.transpose", "graph.broadcast", "graph.slice", "graph.squeeze", "graph.expand_dims"}
-)
+VIEW_OPS = ops_with(Trait.VIEW)
 #: Families whose kernels may write their result over an operand that dies there.
-IN_PLACE_FAMILIES = frozenset({"unary", "binary", "compare"})
-EMIT_KINDS = {"graph.metric": "metrics", "graph.counter": "counters", "graph.observe": "observed"}
+IN_PLACE_FAMILIES = frozenset(kind.value for kind in (Trait.UNARY, Trait.BINARY, Trait.COMPARE))
+#: Each emit op and the collection of a call's result it files its value in.
+EMIT_KINDS = {name: emit_collection(name) for name in ops_with(Trait.EMIT)}
 #: Arrays smaller than this are not worth an extra store to release early.
 RELEASE_BYTES = 1 << 16
 

@@ -60,7 +60,7 @@ class TorchGPT:
 
     @classmethod
     def from_experiment(cls, exp: Any, params: dict[str, np.ndarray]) -> TorchGPT:
-        """From a compiled `backends.training.Experiment` of tiny-gpt.sx or gpt.sx (any number of optimizer groups)."""
+        """From a `backends.training.TrainingPlan` of tiny-gpt.sx or gpt.sx (any number of optimizer groups)."""
         groups = [op.attributes for op in exp.module.body.ops if op.name == "exp.group"]
         heads = int(exp.knobs()["heads"][0])
         return cls(params, heads, groups)

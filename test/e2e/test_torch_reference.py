@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from gpt_reference import TorchGPT  # noqa: E402  (after the torch skip)
 from sexpgpu.backends.loaders import Loader  # noqa: E402
-from sexpgpu.backends.training import Experiment, Trainer  # noqa: E402
+from sexpgpu.backends.training import Trainer, TrainingPlan  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.sx"
 SPEC_GPT = EXAMPLE.with_name("gpt.sx")
@@ -29,7 +29,7 @@ def test_losses_match_pytorch(tmp_path, microbatches):
     # One torch thread: its spinning workers would fight numpy's BLAS threads for the cores.
     torch.set_num_threads(1)
     sets = [f"steps={STEPS}", "layers=2", "eval-every=1000", "checkpoint-every=1000", f"microbatches={microbatches}"]
-    exp = Experiment(str(EXAMPLE), "smoke", sets)
+    exp = TrainingPlan.compile(str(EXAMPLE), "smoke", sets)
     trainer = Trainer(exp, tmp_path, None)
     model = TorchGPT.from_experiment(exp, trainer.params)
     loader = Loader.from_op(exp.loader_ops[exp.train_loader_name])
@@ -45,7 +45,7 @@ def test_losses_match_pytorch(tmp_path, microbatches):
 def test_spec_gpt_smoke_matches_pytorch(tmp_path):
     """The spec's gpt.sx smoke variant (the benchmark's default): two optimizer groups, four microbatches."""
     torch.set_num_threads(1)
-    exp = Experiment(str(SPEC_GPT), "smoke", [])
+    exp = TrainingPlan.compile(str(SPEC_GPT), "smoke", [])
     trainer = Trainer(exp, tmp_path, None)
     model = TorchGPT.from_experiment(exp, trainer.params)
     loader = Loader.from_op(exp.loader_ops[exp.train_loader_name])

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer(flat: bool, monkeypatch: pytest.MonkeyPatch, example: str = "tiny-gpt.sx") -> training.Trainer:
-    experiment = training.Experiment(str(ROOT / "examples" / example), "smoke", [])
+    plan = training.TrainingPlan.compile(str(ROOT / "examples" / example), "smoke", [])
     with monkeypatch.context() as patch:
         if not flat:
             patch.setattr(training, "flat_update_graph", lambda *args: None)
-        return training.Trainer(experiment, Path("/nonexistent-record"), None)
+        return training.Trainer(plan, Path("/nonexistent-record"), None)
 
 
 def test_flat_group_updates_and_clip_are_bit_identical_to_per_parameter_graphs(monkeypatch):
@@ -36,7 +36,7 @@ def test_microbatch_scaling_of_a_flat_group_and_a_lone_parameter_is_bit_identica
     """gpt.sx smoke: 4 microbatches (the summed gradients scaled by 1/4 over the flat array), a flat
     group and a one-member group (the embedding, updated and scaled on its own)."""
     flat, single = trainer(True, monkeypatch, "gpt.sx"), trainer(False, monkeypatch, "gpt.sx")
-    assert flat.exp.microbatches == 4 and len(flat.flat_groups) == 1 and "model.embed.table" not in flat.flat_bounds
+    assert flat.plan.microbatches == 4 and len(flat.flat_groups) == 1 and "model.embed.table" not in flat.flat_bounds
     for step in range(1, 4):
         assert flat.train_step(step)[0] == single.train_step(step)[0]
     for name, value in single.params.items():
@@ -46,7 +46,7 @@ def test_microbatch_scaling_of_a_flat_group_and_a_lone_parameter_is_bit_identica
 
 
 def test_graphs_that_differ_beyond_the_shape_are_not_flattened(monkeypatch):
-    exp = training.Experiment(str(ROOT / "examples" / "tiny-gpt.sx"), "smoke", [])
+    exp = training.TrainingPlan.compile(str(ROOT / "examples" / "tiny-gpt.sx"), "smoke", [])
     updates = exp.graphs_of_kind("update")
     assert flat_update_graph(updates, sum(op.attributes["type"].numel for op in exp.param_ops)) is not None
     # A clip graph sums over each gradient: not elementwise.

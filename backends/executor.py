@@ -1,0 +1,165 @@
+"""The executor interface: what a device offers the training driver and the Python API.
+
+An executor compiles `graph.func` ops into callables and holds the arrays
+they read and write. The driver (`backends/training.py`) knows nothing else
+of a device: every computation on an array runs in a graph the executor
+compiled, and arrays move only through the operations below (allocate,
+upload, download, copy, view). An array is opaque: a numpy array for the
+`cpu` executor (the numpy interpreter), a pointer into an arena for a GPU.
+
+Executors are registered by device name, each with a probe saying in one line
+why the device cannot open on this machine (no driver, no GPU):
+
+    register_executor("cpu", InterpreterExecutor)
+    executor = open_executor("cpu")
+    graph = executor.compile(func)                  # an Executable
+    result = graph({"x": executor.upload(x)}, out={"y": y})
+    executor.download(result.outputs["y"])
+
+docs/backends.md describes what a new backend implements.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from attrs import frozen
+
+from ..diagnostics import SxError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..dialects.core import Operation, TensorType
+
+#: An executor's array. The driver never looks inside one: it passes arrays to graphs and to the
+#: executor's array operations, and reads values on the host through `Executor.download`.
+DeviceArray = Any
+
+
+class GraphInput(Protocol):
+    """One `graph.input` of a compiled graph: what a call must provide under `name`."""
+
+    name: str
+    #: The input's `role` attribute: "param", "batch", "grad", "state", "step", ...
+    role: str
+    type: TensorType
+
+
+class ExecutionResult(Protocol):
+    """What one call of an executable produced."""
+
+    #: By the names of `graph.return`: the executor's arrays (the caller's, where `out` named one).
+    outputs: dict[str, DeviceArray]
+    #: `graph.metric` values by name, on the host (anything `float()` takes).
+    metrics: dict[str, Any]
+    #: `graph.counter` values by name, as host numpy arrays.
+    counters: dict[str, np.ndarray]
+    #: `graph.observe` values by observation path, as host numpy values.
+    observed: dict[str, np.ndarray]
+
+
+class Executable(Protocol):
+    """A compiled `graph.func`: named inputs in, named outputs out."""
+
+    #: The graph's symbol name.
+    name: str
+    #: Its `graph.input` ops, in order.
+    inputs: Sequence[GraphInput]
+
+    @property
+    def output_names(self) -> list[str]:
+        """The names of `graph.return`, in order."""
+
+    def __call__(self, inputs: Mapping[str, DeviceArray],
+                 out: Mapping[str, DeviceArray] | None = None) -> ExecutionResult:
+        """Run the graph on `inputs` (the executor's arrays, by input name).
+
+        `out` maps output names to arrays of the output's shape and dtype that
+        receive them; the result's `outputs` then holds those very arrays. An
+        `out` array may be one of the inputs (an optimizer state updated in
+        place): the executor gives the same result as if it were not. Outputs
+        not in `out` are fresh arrays that later calls do not overwrite.
+        """
+
+
+class Executor(ABC):
+    """A device that compiles graphs and holds their arrays; see the module docstring."""
+
+    #: The device name it is registered under (`--device`).
+    device: str
+
+    @abstractmethod
+    def compile(self, func: Operation) -> Executable:
+        """Compile a `graph.func` (after the training pipeline) for this device."""
+
+    @abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: str) -> DeviceArray:
+        """A new array of `shape` and IR dtype (`"f32"`, `"i32"`, ...), every element zero."""
+
+    @abstractmethod
+    def upload(self, host: np.ndarray) -> DeviceArray:
+        """A new array holding a copy of a host numpy array (same shape and dtype)."""
+
+    @abstractmethod
+    def download(self, array: DeviceArray) -> np.ndarray:
+        """The array's value as a host numpy array. It may share the array's storage (on a host
+        device), so the caller reads it before the array is next written and never writes to it."""
+
+    @abstractmethod
+    def copy(self, source: DeviceArray, target: DeviceArray) -> None:
+        """Write `source`'s elements into `target` (same shape and dtype, not overlapping)."""
+
+    @abstractmethod
+    def view(self, flat: DeviceArray, offset: int, shape: Sequence[int]) -> DeviceArray:
+        """The elements `offset`, `offset + 1`, ... of the 1-D array `flat` as an array of `shape`,
+        sharing `flat`'s storage: what a graph writes there, `flat` holds."""
+
+
+class ExecutorUnavailable(SxError):
+    """A device with no executor in this build, or one whose probe says it cannot open here."""
+
+
+#: A callable that returns None when the device can open here, else one line saying why not.
+Probe = Callable[[], str | None]
+
+
+@frozen
+class _Registration:
+    factory: Callable[..., Executor]
+    probe: Probe | None
+
+
+_EXECUTORS: dict[str, _Registration] = {}
+
+
+def register_executor(device: str, factory: Callable[..., Executor], probe: Probe | None = None) -> None:
+    """Make `open_executor(device, **options)` call `factory(**options)` when `probe` finds nothing
+    missing. Each backend package registers its executor when imported."""
+    if device in _EXECUTORS:
+        raise ValueError(f"an executor for device {device!r} is already registered")
+    _EXECUTORS[device] = _Registration(factory, probe)
+
+
+def registered_devices() -> list[str]:
+    return sorted(_EXECUTORS)
+
+
+def unavailable_reason(device: str) -> str | None:
+    """None when `device` can open; else why not, as the rest of "the <DEVICE> executor ...":
+    "is not available in this build" (no executor registered) or "cannot open here: <the probe's line>"."""
+    registration = _EXECUTORS.get(device)
+    if registration is None:
+        return "is not available in this build"
+    missing = registration.probe() if registration.probe is not None else None
+    return f"cannot open here: {missing}" if missing else None
+
+
+def open_executor(device: str, **options: Any) -> Executor:
+    """The executor of `device`, opened with its options; `ExecutorUnavailable` says why it cannot be."""
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise ExecutorUnavailable(f"the {device.upper()} executor {reason}")
+    return _EXECUTORS[device].factory(**options)
