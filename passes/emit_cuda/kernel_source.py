@@ -225,6 +225,15 @@ def signature(params: Sequence[KernelParam]) -> str:
     return ", ".join(f"{p.ctype} {p.name}" for p in params)
 
 
+def kernel_head(threads: int, params: Sequence[KernelParam]) -> str:
+    """The opening of a kernel of `threads` a block, its name left as `{NAME}` for `finish`.
+
+    The launch bounds ask for one resident block per SM at least: without that, ptxas for sm_90
+    aims at two blocks of 1024 threads (32 registers each) and spills a block-per-row kernel.
+    """
+    return f'extern "C" __global__ void __launch_bounds__({threads}, 1) {{NAME}}({signature(params)}) {{\n'
+
+
 _NAME_CHARACTERS = {".": "p", "-": "m"}
 
 

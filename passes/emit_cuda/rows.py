@@ -39,8 +39,8 @@ from .kernel_source import (
     LaunchShape,
     c_type,
     finish,
+    kernel_head,
     pointer_param,
-    signature,
     size_param,
     vector_width,
 )
@@ -54,7 +54,8 @@ BLOCK_LAYOUT_FROM = 4096
 ROWS_PER_WARP = 8
 MAX_PARTIAL_BLOCKS = 256
 
-KINDS = ("row", "column", "per_row", "scalar")
+#: How far a strided pass over the row (not one over register arrays) is unrolled.
+STRIDED_UNROLL = 4
 
 
 @frozen
@@ -204,8 +205,7 @@ def row_kernel(spec: RowSpec, layout: RowLayout) -> KernelSource:
     writer = _RowWriter(spec, layout)
     params = writer.params()
     body = writer.body()
-    bounds = f"__launch_bounds__({layout.threads}) "
-    template = f'extern "C" __global__ void {bounds}{{NAME}}({signature(params)}) {{\n{body}}}\n'
+    template = f"{kernel_head(layout.threads, params)}{body}}}\n"
     shape_stem = f"c{spec.cols}" if spec.cols is not None else "cN"
     name, code = finish(f"{spec.stem}_{shape_stem}_{layout.kind}{layout.threads}", template)
     return KernelSource(name, spec.family, code, tuple(params), _launch_shape(spec, layout),
@@ -373,6 +373,9 @@ class _RowWriter:
         layout = self.layout
         if not layout.unrolled:
             start, stride = ("lane", "SX_WARP") if layout.kind == "warp" else ("threadIdx.x", str(layout.threads))
+            # Four groups in flight a thread: left to itself, the compiler unrolls a loop of known trip
+            # count until it spills (sm_90, a block per vocabulary row).
+            self.emit(f"#pragma unroll {STRIDED_UNROLL}")
             self.open(f"for (int i = {start}; i < NV; i += {stride})")
             return 1
         self.emit("#pragma unroll")

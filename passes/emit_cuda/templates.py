@@ -29,8 +29,8 @@ from .kernel_source import (
     finish,
     float_literal,
     itemsize,
+    kernel_head,
     pointer_param,
-    signature,
     single,
     size_param,
     vector_width,
@@ -69,7 +69,7 @@ _DTYPE_LETTERS = {"f32": "f", "bf16": "b", "i32": "i", "i64": "l"}
 
 
 def _stem(family: str, chosen: Mapping[str, str], *flags: str) -> str:
-    return "_".join([family, "".join(_DTYPE_LETTERS[d] for d in chosen.values()), *flags])
+    return "_".join([family, "".join(_DTYPE_LETTERS[d] for d in chosen.values()), *(f for f in flags if f)])
 
 
 def _row_program(spec: RowSpec, layout: str | None, threads: int | None) -> KernelProgram:
@@ -260,16 +260,23 @@ def _column_summing(spec: RowSpec, d: Mapping[str, str], threads: int | None) ->
 
 # --- the cross-entropy tail ------------------------------------------------------------------------------
 
-def cross_entropy_forward(vocab: int | None, *, dtype: str = "f32", dtypes: Dtypes = None,
-                          layout: str | None = None, threads: int | None = None) -> KernelProgram:
+def cross_entropy_forward(vocab: int | None, *, reduction: str | None = None, dtype: str = "f32",
+                          dtypes: Dtypes = None, layout: str | None = None,
+                          threads: int | None = None) -> KernelProgram:
     """Per row of logits [rows, vocab] and targets [rows]: lse = log(sum(exp(logits))) and
     losses = lse - logits[target], in one pass over the row (a running max and sum), never
-    forming probabilities. A negative target counts from the end; one out of range gives NaN."""
+    forming probabilities. A negative target counts from the end; one out of range gives NaN.
+
+    With `reduction` "sum" or "mean" a second kernel (`sum_reduce`) adds the losses in a fixed
+    order into `loss` [1].
+    """
     _check_cols("cross_entropy_forward", vocab)
+    if reduction not in (None, "sum", "mean"):
+        raise ValueError(f"cross_entropy_forward: reduction {reduction!r} is not sum or mean")
     roles = {"logits": "data", "targets": "index", "losses": "stat", "lse": "stat"}
-    d = _operand_dtypes("cross_entropy_forward", roles, dtype, dtypes)
+    d = _operand_dtypes("cross_entropy_forward", roles | ({"loss": "stat"} if reduction else {}), dtype, dtypes)
     spec = RowSpec(
-        "cross_entropy_forward", _stem("cross_entropy_forward", d),
+        "cross_entropy_forward", _stem("cross_entropy_forward", {n: d[n] for n in roles}),
         (RowOperand("logits", d["logits"], "row", "input"), RowOperand("targets", d["targets"], "per_row", "input"),
          RowOperand("losses", d["losses"], "per_row", "output"), RowOperand("lse", d["lse"], "per_row", "output")),
         vocab,
@@ -277,16 +284,24 @@ def cross_entropy_forward(vocab: int | None, *, dtype: str = "f32", dtypes: Dtyp
                ("float", "picked", "target >= 0 && target < C ? sx_ld(logits_row + target) : SX_NAN")),
         phases=(Phase((SoftmaxStats("m", "s", "logits"),), (("log_s", "logf(s)"),)),),
         row_outputs=(("losses", "(m - picked) + log_s"), ("lse", "m + log_s")))
-    return _row_program(spec, layout, threads)
+    rows = _row_program(spec, layout, threads)
+    if reduction is None:
+        return rows
+    total = sum_reduce(mean=reduction == "mean", dtypes={"x": d["losses"], "out": d["loss"]}).kernels[0]
+    kernel = rows.steps[0].kernel
+    params = (*[p for p in kernel.params if p.role != "scalar"], pointer_param("loss", d["loss"], "output"),
+              *[p for p in kernel.params if p.role == "scalar"])
+    return KernelProgram("cross_entropy_forward", params, (rows.steps[0], Step(total, ("losses", "loss", "rows"))))
 
 
-def cross_entropy_backward(vocab: int | None, *, grad: str = "scalar", scale: float = 1.0, dtype: str = "f32",
-                           dtypes: Dtypes = None, layout: str | None = None,
+def cross_entropy_backward(vocab: int | None, *, grad: str = "scalar", scale: float = 1.0, mean: bool = False,
+                           dtype: str = "f32", dtypes: Dtypes = None, layout: str | None = None,
                            threads: int | None = None) -> KernelProgram:
     """dlogits = (exp(logits - lse) - onehot(target)) * dloss * scale, in one pass over each row.
 
-    `dloss` is the upstream gradient of the losses: one value (`grad="scalar"`,
-    e.g. of their mean, with `scale` = 1/rows) or one per row (`grad="row"`).
+    `dloss` is the upstream gradient of the losses: one value (`grad="scalar"`)
+    or one per row (`grad="row"`); `mean` divides it by the rows (the gradient
+    of the losses' mean).
     """
     _check_cols("cross_entropy_backward", vocab)
     if grad not in ("scalar", "row"):
@@ -294,32 +309,34 @@ def cross_entropy_backward(vocab: int | None, *, grad: str = "scalar", scale: fl
     roles = {"logits": "data", "targets": "index", "lse": "stat", "dloss": "stat", "dlogits": "data"}
     d = _operand_dtypes("cross_entropy_backward", roles, dtype, dtypes)
     spec = RowSpec(
-        "cross_entropy_backward", _stem("cross_entropy_backward", d, grad, f"scale{scale:g}"),
+        "cross_entropy_backward", _stem("cross_entropy_backward", d, grad, f"scale{scale:g}", "mean" if mean else ""),
         (RowOperand("logits", d["logits"], "row", "input"), RowOperand("targets", d["targets"], "per_row", "input"),
          RowOperand("lse", d["lse"], "per_row", "input"),
          RowOperand("dloss", d["dloss"], "scalar" if grad == "scalar" else "per_row", "input"),
          RowOperand("dlogits", d["dlogits"], "row", "output")),
         vocab,
         setup=(("long long", "target", "targets < 0 ? targets + C : targets"),
-               ("float", "upstream", f"dloss * {float_literal(scale)}")),
+               ("float", "upstream", f"dloss * {float_literal(scale)}" + (" / rows" if mean else ""))),
         outputs=(("dlogits", "(expf(logits - lse) - (col == target ? 1.0f : 0.0f)) * upstream"),))
     return _row_program(spec, layout, threads)
 
 
 # --- deterministic reductions -----------------------------------------------------------------------------
 
-def sum_reduce(*, scale: float = 1.0, dtype: str = "f32", dtypes: Dtypes = None) -> KernelProgram:
-    """out[0] = scale * sum(x[0:count]) (the loss's mean or sum over rows), by one block in a fixed order."""
+def sum_reduce(*, scale: float = 1.0, mean: bool = False, dtype: str = "f32", dtypes: Dtypes = None) -> KernelProgram:
+    """out[0] = scale * sum(x[0:count]), divided by count with `mean` (a loss's sum or mean over rows),
+    by one block in a fixed order."""
     d = _operand_dtypes("sum_reduce", {"x": "data", "out": "stat"}, dtype, dtypes)
     params = (pointer_param("x", d["x"], "input"), pointer_param("out", d["out"], "output"), size_param("count"))
+    value = "total / count" if mean else "total"
     template = (
-        f'extern "C" __global__ void __launch_bounds__({SUM_THREADS}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(SUM_THREADS, params) +
         "    float total = 0.0f;\n"
         f"    for (int i = threadIdx.x; i < count; i += {SUM_THREADS}) total += sx_ld(x + i);\n"
         "    total = sx_block_sum(total);\n"
-        f"    if (threadIdx.x == 0) sx_st(out, total * {float_literal(scale)});\n"
+        f"    if (threadIdx.x == 0) sx_st(out, {value} * {float_literal(scale)});\n"
         "}\n")
-    name, code = finish(_stem("sum_reduce", d, f"scale{scale:g}"), template)
+    name, code = finish(_stem("sum_reduce", d, f"scale{scale:g}", "mean" if mean else ""), template)
     shape = LaunchShape((1, 1, 1), (SUM_THREADS, 1, 1))
     return single(KernelSource(name, "sum_reduce", code, params, lambda sizes: shape))
 
@@ -339,7 +356,7 @@ def column_sum(cols: int | None, *, dtype: str = "f32") -> KernelProgram:
     slices = COLUMN_SUM_SLICES
     qualifier = "constexpr" if cols is not None else "const"
     template = (
-        f'extern "C" __global__ void __launch_bounds__({32 * slices}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(32 * slices, params) +
         f"    {qualifier} int C = {cols if cols is not None else 'cols'};\n"
         f"    constexpr int VEC = {vec};\n"
         f"    {qualifier} int NV = C / VEC;\n"
@@ -392,7 +409,7 @@ def gather(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> KernelPro
     params = (pointer_param("table", d["table"], "input"), pointer_param("indices", d["indices"], "input"),
               pointer_param("out", d["out"], "output"), size_param("positions"), size_param("table_rows"))
     template = (
-        f'extern "C" __global__ void __launch_bounds__({FLAT_THREADS}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(FLAT_THREADS, params) +
         f"    constexpr int C = {cols};\n"
         f"    constexpr int VEC = {vec};\n"
         "    constexpr int NV = C / VEC;\n"
@@ -450,7 +467,7 @@ def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> Kern
         "        }\n"
         "    }\n")
     template = (
-        f'extern "C" __global__ void __launch_bounds__({threads}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(threads, params) +
         f"    constexpr int C = {cols};\n"
         f"    constexpr int VEC = {vec};\n"
         "    constexpr int NV = C / VEC;\n"
@@ -509,7 +526,7 @@ def fill(*, value: float, dtype: str = "f32") -> KernelProgram:
     vec = 16 // itemsize(dtype)
     params = (pointer_param("out", dtype, "output"), size_param("count"))
     template = (
-        f'extern "C" __global__ void __launch_bounds__({FLAT_THREADS}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(FLAT_THREADS, params) +
         f"    constexpr int VEC = {vec};\n"
         f"    const {c_type(dtype)} value = {literal};\n"
         "    const long long groups = count / VEC;\n"
@@ -562,7 +579,7 @@ def copy(shape: Sequence[int], *, strides: Sequence[int] | None = None, offset: 
     move = ("        sx_move<VEC>(out + g * VEC, src + at);\n" if d["src"] == d["out"] else
             "        float v[VEC];\n        sx_ld_vec(v, src + at);\n        sx_st_vec(out + g * VEC, v);\n")
     template = (
-        f'extern "C" __global__ void __launch_bounds__({FLAT_THREADS}) {{NAME}}({signature(params)}) {{\n'
+        kernel_head(FLAT_THREADS, params) +
         f"    constexpr int VEC = {vec};\n"
         f"    constexpr long long GROUPS = {total // vec}LL;\n"
         f"    for (long long g = (long long)blockIdx.x * {FLAT_THREADS} + threadIdx.x; g < GROUPS;\n"

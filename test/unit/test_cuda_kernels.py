@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
+from sexpgpu.backends.cuda.nvrtc import compile_cubin, cubin_arch
 from sexpgpu.backends.cuda.sim import SimDevice
 from sexpgpu.passes.emit_cuda import templates as t
 from sexpgpu.passes.emit_cuda.kernel_source import KernelProgram
@@ -71,6 +72,14 @@ def softmax_ref(x):
 def log_softmax_ref(x):
     shifted = x - x.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def softmax_backward_ref(y, dy):
+    return y * (dy - (dy * y).sum(-1, keepdims=True))
+
+
+def log_softmax_backward_ref(y, dy):
+    return dy - np.exp(y) * dy.sum(-1, keepdims=True)
 
 
 def layernorm_ref(x, weight=None, bias=None, eps=1e-5):
@@ -179,15 +188,14 @@ def softmax_backward_case(id, program, rows, cols):
         return {"y": softmax_ref(rng.standard_normal((rows, cols)) * 2.0), "dy": rng.standard_normal((rows, cols))}
 
 
-    return row_case(id, program, rows, cols, make, lambda a: {"dx": a["y"] * (a["dy"] - (a["dy"] * a["y"]).sum(-1, keepdims=True))})
+    return row_case(id, program, rows, cols, make, lambda a: {"dx": softmax_backward_ref(a["y"], a["dy"])})
 
 
 def log_softmax_backward_case(id, program, rows, cols):
     def make(rng):
         return {"y": log_softmax_ref(rng.standard_normal((rows, cols)) * 2.0), "dy": rng.standard_normal((rows, cols))}
 
-    return row_case(id, program, rows, cols, make,
-                    lambda a: {"dx": a["dy"] - np.exp(a["y"]) * a["dy"].sum(-1, keepdims=True)})
+    return row_case(id, program, rows, cols, make, lambda a: {"dx": log_softmax_backward_ref(a["y"], a["dy"])})
 
 
 def layernorm_backward_case(id, program, rows, cols, weight=True, bias=True):
@@ -227,18 +235,19 @@ def targets_for(rows, vocab, awkward=False):
     return make
 
 
-def cross_entropy_case(id, program, rows, vocab, awkward=False, shift=0.0):
+def cross_entropy_case(id, program, rows, vocab, awkward=False, shift=0.0, reduction=None):
     def make(rng):
         return {"logits": rng.standard_normal((rows, vocab)) * 2.0 + shift, "targets": targets_for(rows, vocab, awkward)(rng)}
 
     def reference(a):
         losses, lse = cross_entropy_ref(a["logits"], a["targets"])
-        return {"losses": losses, "lse": lse}
+        reduced = {"sum": losses.sum(keepdims=True), "mean": losses.mean(keepdims=True), None: None}[reduction]
+        return {"losses": losses, "lse": lse} | ({"loss": reduced} if reduction else {})
 
     return row_case(id, program, rows, vocab, make, reference)
 
 
-def cross_entropy_backward_case(id, program, rows, vocab, grad, scale):
+def cross_entropy_backward_case(id, program, rows, vocab, grad, scale, mean=False):
     def make(rng):
         logits = as_stored(program, "logits", rng.standard_normal((rows, vocab)) * 2.0)
         targets = targets_for(rows, vocab)(rng)
@@ -247,7 +256,7 @@ def cross_entropy_backward_case(id, program, rows, vocab, grad, scale):
         return {"logits": logits, "targets": targets, "lse": cross_entropy_ref(logits, targets)[1], "dloss": dloss}
 
     def reference(a):
-        upstream = (a["dloss"][0] if grad == "scalar" else a["dloss"][:, None]) * scale
+        upstream = (a["dloss"][0] if grad == "scalar" else a["dloss"][:, None]) * scale / (rows if mean else 1)
         return {"dlogits": cross_entropy_backward_ref(a["logits"], a["targets"], upstream)}
 
     return row_case(id, program, rows, vocab, make, reference)
@@ -349,15 +358,23 @@ CASES = [
                        t.cross_entropy_forward(33, dtypes={"targets": "i64"}), 37, 33, awkward=True),
     cross_entropy_case("cross_entropy bf16 3x50304", t.cross_entropy_forward(50304, **BF16), 3, 50304),
     cross_entropy_case("cross_entropy f32 runtime vocab 37x7", t.cross_entropy_forward(None), 37, 7),
+    cross_entropy_case("cross_entropy f32 37x33 mean", t.cross_entropy_forward(33, reduction="mean"), 37, 33,
+                       reduction="mean"),
+    cross_entropy_case("cross_entropy bf16 2x50257 sum", t.cross_entropy_forward(50257, reduction="sum", **BF16), 2,
+                       50257, reduction="sum"),
     cross_entropy_backward_case("cross_entropy_backward f32 3x50257 mean", t.cross_entropy_backward(50257, scale=1 / 3),
                                 3, 50257, "scalar", 1 / 3),
     cross_entropy_backward_case("cross_entropy_backward f32 37x33 per row", t.cross_entropy_backward(33, grad="row"),
                                 37, 33, "row", 1.0),
+    cross_entropy_backward_case("cross_entropy_backward f32 37x7 mean runtime", t.cross_entropy_backward(7, mean=True),
+                                37, 7, "scalar", 1.0, mean=True),
     cross_entropy_backward_case("cross_entropy_backward bf16 3x50304 mean",
                                 t.cross_entropy_backward(50304, scale=1 / 3, **BF16), 3, 50304, "scalar", 1 / 3),
     Case("sum_reduce f32 1", t.sum_reduce(), {"count": 1}, normal("x", 1), lambda a: {"out": a["x"].sum(keepdims=True)}),
-    Case("sum_reduce f32 5000 mean", t.sum_reduce(scale=1 / 5000), {"count": 5000}, normal("x", 5000, shift=2.0),
+    Case("sum_reduce f32 5000 scaled", t.sum_reduce(scale=1 / 5000), {"count": 5000}, normal("x", 5000, shift=2.0),
          lambda a: {"out": a["x"].mean(keepdims=True)}),
+    Case("sum_reduce f32 1031 mean scaled", t.sum_reduce(mean=True, scale=-2.0), {"count": 1031},
+         normal("x", 1031, shift=0.5), lambda a: {"out": -2.0 * a["x"].mean(keepdims=True)}),
     Case("sum_reduce bf16 37 to f32", t.sum_reduce(dtype="bf16", dtypes={"out": "f32"}), {"count": 37}, normal("x", 37),
          lambda a: {"out": a["x"].sum(keepdims=True)}),
     Case("column_sum f32 13x768", t.column_sum(768), {"count": 13}, lambda rng: {"partials": rng.standard_normal((13, 768))},
@@ -458,3 +475,145 @@ def test_template_against_reference(case: Case, device, module):
     got = run(device, module, case.program, inputs, case.sizes, {n: np.shape(w) for n, w in want.items()})
     for name, value in want.items():
         assert_close(f"{case.id}: {name}", got[name], value, dtypes[name])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_specialisation_compiles_with_nvrtc_without_spills(arch):
+    """The same translation unit NVRTC compiles to CUBIN for the architecture: every kernel there, none spilling."""
+    source = translation_unit(k for p in PROGRAMS for k in p.kernels)
+    cubin = compile_cubin(source, arch, name="emit_cuda_templates")
+    assert cubin_arch(cubin.image) == arch
+    names = {k.name for p in PROGRAMS for k in p.kernels}
+    assert set(cubin.kernels) == names
+    assert not cubin.spilling(), "\n".join(
+        f"{k.name}: {k.spill_stores} bytes of spill stores, {k.spill_loads} of spill loads" for k in cubin.spilling())
+    assert all(k.stack_frame == 0 for k in cubin.kernels.values())
+
+
+def launch(device, module, program: KernelProgram, values: Mapping[str, object], grid=None) -> None:
+    for bound in program.launches(values):
+        device.launch(module.kernel(bound.kernel.name), grid or bound.shape.grid, bound.shape.block,
+                      bound.shape.shared_bytes, bound.arguments)
+
+
+def test_scatter_add_f32_is_the_interpreters_sum_bit_for_bit_whatever_the_grid(device, module):
+    """Each element adds its positions in index order from zero, as np.add.at (the interpreter) does."""
+    program = t.scatter_add(768)
+    rng = np.random.default_rng(7)
+    indices = rng.integers(0, 13, 300).astype(np.int32)
+    src = (rng.standard_normal((300, 768)) * np.exp(rng.uniform(-8, 8, (300, 1)))).astype(np.float32)
+    want = np.zeros((50, 768), np.float32)
+    np.add.at(want, indices, src)
+    buffers = {"indices": device.upload(indices), "src": device.upload(src), "out": device.alloc(want.nbytes)}
+    values = buffers | {"positions": 300, "out_rows": 50}
+    for parts in (None, 1, 7, 50):  # the grid's y size splits the rows among threads differently
+        grid = None if parts is None else (program.launches(values)[0].shape.grid[0], parts, 1)
+        launch(device, module, program, values, grid)
+        assert device.download(buffers["out"], np.float32, want.shape).tobytes() == want.tobytes(), parts
+    for buf in buffers.values():
+        device.free(buf)
+
+
+@pytest.mark.parametrize(("program", "output", "input"), [
+    (t.softmax(768), "y", "x"),
+    (t.layernorm_backward(768), "dx", "dy"),
+    (t.cross_entropy_backward(50304, scale=1 / 3, dtype="bf16"), "dlogits", "logits"),
+], ids=["softmax", "layernorm_backward", "cross_entropy_backward"])
+def test_outputs_declared_in_place_may_overwrite_their_input(program, output, input, device, module):
+    case = next(c for c in CASES if c.program.kernels[0].name == program.kernels[0].name)
+    assert (output, input) in program.kernels[0].in_place
+    assert "__restrict__" not in next(p.ctype for p in program.kernels[0].params if p.name == input)
+    rng = np.random.default_rng(11)
+    inputs = stored(program, case.inputs(rng))
+    results = case.reference(widened(inputs))
+    want = results[output]
+    dtypes = {p.name: p.dtype for p in program.params}
+    values: dict[str, object] = dict(case.sizes)
+    for p in program.params:
+        if p.role == "input":
+            values[p.name] = device.upload(inputs[p.name], p.name)
+        elif p.role == "output" and p.name != output:
+            values[p.name] = device.alloc(results[p.name].size * np.dtype(NUMPY_DTYPES[p.dtype]).itemsize, p.name)
+        elif p.role == "scratch":
+            values[p.name] = device.alloc(program.scratch_bytes(case.sizes)[p.name], p.name)
+    values[output] = values[input]
+    launch(device, module, program, values)
+    got = device.download(values[output], NUMPY_DTYPES[dtypes[output]], want.shape)
+    for buf in {id(v): v for v in values.values() if not isinstance(v, int)}.values():
+        device.free(buf)
+    assert_close(output, got, want, dtypes[output])
+
+
+def test_launch_shapes_scratch_and_sizes():
+    rows37 = t.softmax(768).launches({"x": 0, "y": 0, "rows": 37})
+    assert (rows37[0].shape.grid, rows37[0].shape.block) == ((5, 1, 1), (256, 1, 1))  # a warp per row, 8 a block
+    vocab = t.softmax(50304).launches({"x": 0, "y": 0, "rows": 37})
+    assert (vocab[0].shape.grid, vocab[0].shape.block) == ((37, 1, 1), (1024, 1, 1))  # a block per row
+    backward = t.layernorm_backward(768)
+    assert backward.scratch_bytes({"rows": 300}) == {"dweight_partials": 40 * 768 * 4, "dbias_partials": 40 * 768 * 4}
+    steps = backward.launches({p.name: 0 for p in backward.params} | {"rows": 300})
+    assert [s.shape.grid for s in steps] == [(5, 1, 1), (6, 1, 1), (6, 1, 1)]
+    assert steps[1].arguments == (0, 0, 40)  # dweight's partial rows, dweight, their count
+    with pytest.raises(ValueError, match="size rows is 0"):
+        t.softmax(7).launches({"x": 0, "y": 0, "rows": 0})
+    with pytest.raises(ValueError, match="no value for cols"):
+        t.softmax(None).launches({"x": 0, "y": 0, "rows": 3})
+
+
+def test_names_tell_specialisations_apart_and_repeat_for_equal_ones():
+    assert t.layernorm(768).kernels[0].name == t.layernorm(768).kernels[0].name
+    names = {t.layernorm(768, eps=e).kernels[0].name for e in (1e-5, 1e-6)}
+    names |= {t.layernorm(768, dtype="bf16").kernels[0].name, t.layernorm(768, bias=False).kernels[0].name}
+    assert len(names) == 4
+    one = t.softmax(33).kernels[0]
+    assert translation_unit([one, one]).count(f" {one.name}(") == 1
+    impostor = t.log_softmax(33).kernels[0]
+    with pytest.raises(ValueError, match="two different kernels"):
+        translation_unit([one, type(one)(one.name, impostor.family, impostor.code, impostor.params, impostor.shape)])
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: t.softmax(33, dtypes={"z": "f32"}), "softmax has no operand 'z'; its operands are x, y"),
+    (lambda: t.softmax(33, dtype="f16"), "dtype 'f16' is not one of f32, bf16"),
+    (lambda: t.cross_entropy_forward(33, dtypes={"targets": "f32"}), "operand targets: dtype 'f32' is not one of i32"),
+    (lambda: t.softmax(33, layout="grid"), "layout 'grid' is not warp or block"),
+    (lambda: t.softmax(33, threads=100), "100 threads a block; it must be a multiple of 32"),
+    (lambda: t.softmax(0), "a row of 0 elements"),
+    (lambda: t.cross_entropy_backward(33, grad="column"), "grad 'column' is not scalar or row"),
+    (lambda: t.cross_entropy_forward(33, reduction="max"), "reduction 'max' is not sum or mean"),
+    (lambda: t.fill(value=0.5, dtype="i32"), "0.5 is not a value of i32"),
+    (lambda: t.copy((2, 3), strides=(1,)), "1 strides for a shape of rank 2"),
+    (lambda: t.copy((2, 3), dtype="i32", dtypes={"out": "i64"}), "integers are copied, not converted"),
+])
+def test_bad_specialisations_are_refused(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_the_float64_references_agree_with_torch_autograd():
+    """The hand-derived backward references used above, against PyTorch's autograd in float64."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x, dy, w, b = rng.standard_normal((5, 33)), rng.standard_normal((5, 33)), rng.standard_normal(33), rng.standard_normal(33)
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    torch.nn.functional.layer_norm(tx, (33,), tw, tb, 1e-5).backward(torch.tensor(dy))
+    dx, dw, db = layernorm_backward_ref(dy, x, w)
+    for mine, theirs in ((dx, tx), (dw, tw), (db, tb)):
+        np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-10, atol=1e-12)
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    (tx * torch.rsqrt((tx * tx).mean(-1, keepdim=True) + 1e-5) * tw).backward(torch.tensor(dy))
+    dx, dw = rmsnorm_backward_ref(dy, x, w)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-10, atol=1e-12)
+    targets = rng.integers(0, 33, 5)
+    tx = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.cross_entropy(tx, torch.tensor(targets), reduction="sum").backward()
+    np.testing.assert_allclose(cross_entropy_backward_ref(x, targets, 1.0), tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(cross_entropy_ref(x, targets)[0],
+                               torch.nn.functional.cross_entropy(torch.tensor(x), torch.tensor(targets), reduction="none"),
+                               rtol=1e-12)
+    for forward, backward in ((torch.softmax, softmax_backward_ref), (torch.log_softmax, log_softmax_backward_ref)):
+        tx = torch.tensor(x, requires_grad=True)
+        y = forward(tx, -1)
+        y.backward(torch.tensor(dy))
+        np.testing.assert_allclose(backward(y.detach().numpy(), dy), tx.grad.numpy(), rtol=1e-10, atol=1e-12)
