@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from attrs import field, frozen
+from attrs import field, frozen, validators
 
 from ...dialects.core import DTYPE_BYTES
 
@@ -38,7 +38,7 @@ class KernelParam:
 
     name: str
     ctype: str
-    role: str
+    role: str = field(validator=validators.in_(ROLES))
     dtype: str
 
     @property
@@ -248,7 +248,3 @@ def finish(stem: str, code_template: str) -> tuple[str, str]:
     name = f"sx_{readable}_{digest}"
     return name, code_template.replace("{NAME}", name)
 
-
-def dims(value: int | tuple[int, ...]) -> tuple[int, int, int]:
-    parts = (value,) if isinstance(value, int) else tuple(value)
-    return (*parts, *(1,) * (3 - len(parts)))  # type: ignore[return-value]

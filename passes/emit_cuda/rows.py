@@ -117,9 +117,6 @@ class RowSpec:
     row_outputs: tuple[tuple[str, str], ...] = ()
     column_sums: tuple[tuple[str, str], ...] = ()
 
-    def operand(self, name: str) -> RowOperand:
-        return next(o for o in self.operands if o.name == name)
-
     def of_kind(self, kind: str, role: str | None = None) -> list[RowOperand]:
         return [o for o in self.operands if o.kind == kind and (role is None or o.role == role)]
 
