@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import sexpgpu
 from sexpgpu.backends.events import read_events
+
+import sexpgpu
 
 EXPERIMENT = """
 (defknobs (seed 1) (microbatches 4) (batch 2))
