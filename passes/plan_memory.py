@@ -29,6 +29,7 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import Operation, Value
+from ..dialects.liveness import Liveness
 from .manager import CompilationUnit, Pass, register_pass
 
 PLANNED_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
@@ -37,47 +38,27 @@ LARGEST = 10
 
 def plan_graph(func: Operation) -> dict[str, Any]:
     """The memory facts of one graph (see the module docstring)."""
-    ops = list(func.body.ops)
-    defined: dict[int, int] = {}
-    last_use: dict[int, int] = {}
-    values: list[Value] = []
-    for point, op in enumerate(ops):
-        for v in op.operands:
-            last_use[id(v)] = point
-        for r in op.results:
-            defined[id(r)] = point
-            values.append(r)
-    end = len(ops) - 1
-    ret = ops[-1]
-    params: set[int] = set()
-    grads: set[int] = set()
+    liveness = Liveness(func.body)
+    values: list[Value] = [r for op in liveness.ops for r in op.results]
+    params: set[Value] = set()
+    grads: set[Value] = set()
     for v in values:
         if v.op is not None and v.op.name == "graph.input":
             role = v.op.attributes["role"]
             if role == "param":
-                params.add(id(v))
+                params.add(v)
             elif role == "grad":
-                grads.add(id(v))
+                grads.add(v)
+    ret = liveness.ops[-1]
     for v, name in zip(ret.operands, ret.attributes["names"]):
-        last_use[id(v)] = end
-        if name.startswith("grad/") and id(v) not in params:
-            grads.add(id(v))
-    delta = [0] * (len(ops) + 1)
-    for v in values:
-        if id(v) in params or id(v) in grads:
-            continue
-        start = defined[id(v)]
-        delta[start] += v.type.nbytes
-        delta[max(start, last_use.get(id(v), start)) + 1] -= v.type.nbytes
-    peak = live = 0
-    for change in delta:
-        live += change
-        peak = max(peak, live)
+        if name.startswith("grad/") and v not in params:
+            grads.add(v)
+    peak = liveness.peak_live_bytes(v for v in values if v not in params and v not in grads)
     largest = sorted(values, key=lambda v: -v.type.numel)[:LARGEST]
     return {
         "peak_bytes": peak,
-        "param_bytes": sum(v.type.nbytes for v in values if id(v) in params),
-        "grad_bytes": sum(v.type.nbytes for v in values if id(v) in grads),
+        "param_bytes": sum(v.type.nbytes for v in values if v in params),
+        "grad_bytes": sum(v.type.nbytes for v in values if v in grads),
         "largest": [
             {
                 "op": v.owner.name.removeprefix("graph."),
