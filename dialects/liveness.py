@@ -1,11 +1,11 @@
 """Liveness of values over a block's op order, and buffer plans built on it.
 
 The block order is the schedule: op i runs at point i. `Liveness` says, for
-every value of a block, where it is defined and last read, and, for its
-storage, which value owns it (a view's storage is its source's, so a view
-keeps its source alive) and when that storage is read for the last time.
-Values the block returns or emits escape it; inputs and constants have
-storage that outlives it.
+every value of a block, where it is defined and last read; `StorageLiveness`
+adds, for its storage, which value owns it (a view's storage is its
+source's, so a view keeps its source alive) and when that storage is read
+for the last time. Values the block returns or emits escape it; inputs and
+constants have storage that outlives it.
 
 Two uses: `peak_live_bytes` (the bound `plan-memory` reports, every value in
 a buffer of its own) and `ArenaPlan` (buffers shared by values whose storage
@@ -36,60 +36,77 @@ def lets_escape(op: Operation) -> bool:
 
 
 class Liveness:
-    """Definition and last-read points of every value of `block`, and of every storage.
+    """Definition and last-read points of every value of `block`.
 
     A block argument is defined at point 0; a value nobody reads is last read
     at its definition; a value the terminator reads (the block's outputs) at
     the terminator, i.e. to the end.
     """
 
-    def __init__(self, block: Block, views: frozenset[str] = VIEW_OPS) -> None:
+    def __init__(self, block: Block) -> None:
         self.ops: list[Operation] = list(block.ops)
-        self.position: dict[Operation, int] = {}
         self.defined: dict[Value, int] = {}
         self.last_use: dict[Value, int] = {}
+        defined, last_use = self.defined, self.last_use
+        for arg in block.args:
+            defined[arg] = last_use[arg] = 0
+        for point, op in enumerate(self.ops):
+            for v in op.operands:
+                last_use[v] = point
+            for r in op.results:
+                defined[r] = last_use[r] = point
+
+    def peak_live_bytes(self, values: Iterable[Value]) -> int:
+        """The most bytes of `values` live at one point, each value live from its definition to
+        its last read (an op's operands and results together), none sharing storage."""
+        delta = [0] * (len(self.ops) + 1)
+        defined, last_use = self.defined, self.last_use
+        for v in values:
+            nbytes = v.type.nbytes
+            delta[defined[v]] += nbytes
+            delta[last_use[v] + 1] -= nbytes
+        peak = live = 0
+        for change in delta:
+            live += change
+            if live > peak:
+                peak = live
+        return peak
+
+
+class StorageLiveness(Liveness):
+    """`Liveness`, and for storage: which value owns each value's storage (itself, or for a view
+    its source's owner, so a view keeps its source alive), the last read of each storage through
+    any view of it, the storage that escapes the block and the storage that outlives it."""
+
+    def __init__(self, block: Block, views: frozenset[str] = VIEW_OPS) -> None:
+        super().__init__(block)
         #: The value owning each value's storage: itself, or for a view its source's root.
-        self.root: dict[Value, Value] = {}
+        self.root: dict[Value, Value] = {arg: arg for arg in block.args}
         #: Last point at which each root's storage is read (through any view of it).
         self.storage_end: dict[Value, int] = {}
         #: Roots whose storage escapes the block: read by its terminator or an emit.
         self.escaping: set[Value] = set()
         #: Values whose storage outlives the block (inputs, constants).
         self.fixed: set[Value] = set()
-        for arg in block.args:
-            self.defined[arg] = self.last_use[arg] = 0
-            self.root[arg] = arg
-        for point, op in enumerate(self.ops):
-            self.position[op] = point
-            for v in op.operands:
-                self.last_use[v] = point
-            for r in op.results:
-                self.defined[r] = self.last_use[r] = point
-                self.root[r] = self.root.get(op.operands[0], op.operands[0]) if op.name in views else r
-            if op.name in FIXED_OPS:
-                self.fixed.update(op.results)
-            if lets_escape(op):
-                self.escaping.update(self.root.get(v, v) for v in op.operands)
+        root = self.root
+        for op in self.ops:
+            results = op.results
+            if results:
+                source = op.operands[0] if op.name in views else None
+                for r in results:
+                    root[r] = r if source is None else root.get(source, source)
+                if op.name in FIXED_OPS:
+                    self.fixed.update(results)
+            elif lets_escape(op):  # the terminator and emits have no results
+                self.escaping.update(root.get(v, v) for v in op.operands)
+        storage_end = self.storage_end
         for v, end in self.last_use.items():
-            root = self.root.get(v, v)
-            if self.storage_end.get(root, -1) < end:
-                self.storage_end[root] = end
+            owner = root.get(v, v)
+            if storage_end.get(owner, -1) < end:
+                storage_end[owner] = end
 
     def is_view(self, value: Value) -> bool:
         return self.root[value] is not value
-
-    def peak_live_bytes(self, values: Iterable[Value]) -> int:
-        """The most bytes of `values` live at one point, each value live from its definition to
-        its last read (an op's operands and results together), none sharing storage."""
-        delta = [0] * (len(self.ops) + 1)
-        for v in values:
-            delta[self.defined[v]] += v.type.nbytes
-            delta[self.last_use[v] + 1] -= v.type.nbytes
-        peak = live = 0
-        for change in delta:
-            live += change
-            peak = max(peak, live)
-        return peak
 
 
 @frozen
@@ -109,7 +126,7 @@ class ArenaPlan:
 
     `assign` is called for the values wanting a buffer, in the order of the ops
     defining them. A buffer is free again after the last read of its value's
-    storage (`Liveness.storage_end`). An op marked `in_place` (an elementwise
+    storage (`StorageLiveness.storage_end`). An op marked `in_place` (an elementwise
     op, which may write over what it reads element by element) may get the
     buffer of an operand it reads for the last time; others (a matmul, a
     reduction) never overwrite what they read. Values that escape the block
@@ -123,7 +140,7 @@ class ArenaPlan:
     multiples of `alignment`. `size` is the arena's bytes: the peak of the plan.
     """
 
-    def __init__(self, liveness: Liveness, alignment: int = 1, exact: bool = True) -> None:
+    def __init__(self, liveness: StorageLiveness, alignment: int = 1, exact: bool = True) -> None:
         self.liveness = liveness
         self.alignment = alignment
         self.exact = exact
@@ -139,7 +156,7 @@ class ArenaPlan:
     def assign(self, value: Value, in_place: bool, key: Hashable = None, nbytes: int | None = None) -> Buffer | None:
         """The buffer of `value` (None when it escapes). `key` and `nbytes` default to the value's
         type and its bytes; a caller storing it otherwise (another dtype, a permuted shape) says so."""
-        position = self.liveness.position[value.op]
+        position = self.liveness.defined[value]
         if in_place:
             self._release(position)
         buffer = None

@@ -39,26 +39,28 @@ LARGEST = 10
 def plan_graph(func: Operation) -> dict[str, Any]:
     """The memory facts of one graph (see the module docstring)."""
     liveness = Liveness(func.body)
-    values: list[Value] = [r for op in liveness.ops for r in op.results]
-    params: set[Value] = set()
-    grads: set[Value] = set()
-    for v in values:
-        if v.op is not None and v.op.name == "graph.input":
-            role = v.op.attributes["role"]
-            if role == "param":
-                params.add(v)
-            elif role == "grad":
-                grads.add(v)
     ret = liveness.ops[-1]
-    for v, name in zip(ret.operands, ret.attributes["names"]):
-        if name.startswith("grad/") and v not in params:
-            grads.add(v)
-    peak = liveness.peak_live_bytes(v for v in values if v not in params and v not in grads)
+    returned_grads = {v for v, name in zip(ret.operands, ret.attributes["names"]) if name.startswith("grad/")}
+    values: list[Value] = []
+    params: list[Value] = []
+    grads: list[Value] = []
+    activations: list[Value] = []
+    for op in liveness.ops:
+        role = op.attributes["role"] if op.name == "graph.input" else None
+        for v in op.results:
+            values.append(v)
+            if role == "param":
+                params.append(v)
+            elif role == "grad" or v in returned_grads:
+                grads.append(v)
+            else:
+                activations.append(v)
+    peak = liveness.peak_live_bytes(activations)
     largest = sorted(values, key=lambda v: -v.type.numel)[:LARGEST]
     return {
         "peak_bytes": peak,
-        "param_bytes": sum(v.type.nbytes for v in values if v in params),
-        "grad_bytes": sum(v.type.nbytes for v in values if v in grads),
+        "param_bytes": sum(v.type.nbytes for v in params),
+        "grad_bytes": sum(v.type.nbytes for v in grads),
         "largest": [
             {
                 "op": v.owner.name.removeprefix("graph."),

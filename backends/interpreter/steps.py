@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ...dialects.core import Operation, Value
-from ...dialects.liveness import ArenaPlan, Liveness
+from ...dialects.liveness import ArenaPlan, StorageLiveness
 from .compiled_graph import CompiledGraph, InputSpec, Registers, Step
 from .dtypes import DtypePolicy
 from .kernels import constant_value, kernel_for
@@ -46,7 +46,7 @@ RELEASE_BYTES = 1 << 16
 class _Buffers:
     """The arrays of an exact-reuse `ArenaPlan` over a graph: one per buffer, made on first use."""
 
-    def __init__(self, liveness: Liveness, policy: DtypePolicy) -> None:
+    def __init__(self, liveness: StorageLiveness, policy: DtypePolicy) -> None:
         self.plan = ArenaPlan(liveness)
         self.policy = policy
         self.arrays: dict[int, np.ndarray] = {}
@@ -68,7 +68,7 @@ class _Buffers:
 def build_steps(func: Operation, policy: DtypePolicy) -> CompiledGraph:
     """The compiled form of a lowered `graph.func` (see the module docstring)."""
     ops = list(func.body.ops)
-    liveness = Liveness(func.body)
+    liveness = StorageLiveness(func.body)
     buffers = _Buffers(liveness, policy)
     registers: dict[Any, int] = {}
     direct_outputs = _direct_outputs(ops, liveness, policy)
@@ -148,13 +148,13 @@ def build_steps(func: Operation, policy: DtypePolicy) -> CompiledGraph:
                          step_ops)
 
 
-def _is_shared(liveness: Liveness, value: Value) -> bool:
+def _is_shared(liveness: StorageLiveness, value: Value) -> bool:
     """Whether a caller must get a copy: the storage outlives a call (an input, a constant) or
     the value is a view (read-only for a broadcast, and aliasing whatever else sees its root)."""
     return liveness.is_view(value) or value in liveness.fixed
 
 
-def _releases(liveness: Liveness) -> dict[int, list[Value]]:
+def _releases(liveness: StorageLiveness) -> dict[int, list[Value]]:
     """Position -> the large values whose registers may be dropped after the op there (their last
     use), unless their storage escapes the call."""
     releases: dict[int, list[Value]] = {}
@@ -164,7 +164,7 @@ def _releases(liveness: Liveness) -> dict[int, list[Value]]:
     return releases
 
 
-def _direct_outputs(ops: list[Operation], liveness: Liveness, policy: DtypePolicy) -> dict[Value, str]:
+def _direct_outputs(ops: list[Operation], liveness: StorageLiveness, policy: DtypePolicy) -> dict[Value, str]:
     """Outputs a kernel may write straight into a caller's array: returned once, emitted never,
     neither a view nor an input or constant, in a dtype computed natively."""
     returned: dict[Value, list[str]] = {}

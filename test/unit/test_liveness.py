@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from _graph_helpers import make_func
-from sexpgpu.dialects.liveness import ArenaPlan, Liveness
+from sexpgpu.dialects.liveness import ArenaPlan, Liveness, StorageLiveness
 
 
 def chain():
@@ -29,12 +29,12 @@ def ops_by_name(func):
 def test_views_keep_their_source_alive_and_outputs_escape():
     func = chain()
     ops = ops_by_name(func)
-    live = Liveness(func.body)
+    live = StorageLiveness(func.body)
     e, view, n, out = (ops[name].result for name in ("exp", "transpose", "neg", "add"))
     assert live.root[view] is e and live.is_view(view) and not live.is_view(e)
-    assert live.last_use[e] == live.position[ops["transpose"]]
-    assert live.storage_end[e] == live.position[ops["neg"]]  # read through the view
-    assert live.last_use[n] == live.position[ops["add"]]
+    assert live.last_use[e] == live.defined[ops["transpose"].result]
+    assert live.storage_end[e] == live.defined[n]  # read through the view
+    assert live.last_use[n] == live.defined[out]
     assert live.escaping == {out, ops["sum"].result}
     assert live.fixed == {ops["input"].result}
     assert live.last_use[out] == len(live.ops) - 1  # read by the return: live to the end
@@ -60,12 +60,12 @@ def assign_in_order(func, plan, in_place_ops=("exp", "neg", "tanh", "add")):
 
 def test_exact_plan_reuses_dying_storage_in_place_for_elementwise_ops_only():
     func = chain()
-    buffers = assign_in_order(func, ArenaPlan(Liveness(func.body)))
+    buffers = assign_in_order(func, ArenaPlan(StorageLiveness(func.body)))
     # neg reads the view of exp's result for the last time: it may write over it.
     assert buffers["neg"].index == buffers["exp"].index
     assert buffers["tanh"].index != buffers["neg"].index  # neg is still read by the add
     assert buffers["add"] is None and buffers["sum"] is None  # escaping: returned, emitted
-    not_in_place = ArenaPlan(Liveness(func.body))
+    not_in_place = ArenaPlan(StorageLiveness(func.body))
     buffers = assign_in_order(func, not_in_place, in_place_ops=())
     assert buffers["neg"].index != buffers["exp"].index  # a reduction or matmul must not overwrite its operand
     assert buffers["tanh"].index == buffers["exp"].index  # free once neg has read it
@@ -80,7 +80,7 @@ def test_exact_plan_reuses_only_buffers_of_the_same_key():
         return {"y": g.mul(c, g.broadcast(b, shape=[8, 8]))}
 
     func = make_func({"x": ((8, 8), "f32")}, body)
-    plan = ArenaPlan(Liveness(func.body))
+    plan = ArenaPlan(StorageLiveness(func.body))
     exps = [op for op in func.body.ops if op.name == "graph.exp"]
     first = plan.assign(exps[0].result, in_place=True)
     total = plan.assign(next(op for op in func.body.ops if op.name == "graph.sum").result, in_place=False)
@@ -99,7 +99,7 @@ def test_arena_plan_aligns_splits_and_merges_free_ranges():
         return {"y": g.mul(g.broadcast(last, shape=[100]), again)}
 
     func = make_func({"x": ((100,), "f32")}, body)
-    plan = ArenaPlan(Liveness(func.body), alignment=256, exact=False)
+    plan = ArenaPlan(StorageLiveness(func.body), alignment=256, exact=False)
     ops = list(func.body.ops)
     placed = {}
     for op in ops:
