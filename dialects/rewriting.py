@@ -132,10 +132,6 @@ class Pat:
         """Any value, bound as `name`."""
         return cls(None, name=name, one_use=one_use)
 
-    @property
-    def matches_ops(self) -> bool:
-        return self.names is not None or self.test is not None
-
     def match(self, op: Operation) -> dict[str, Any] | None:
         """The bindings when `op` (as the root) matches this pattern, else None."""
         bindings: dict[str, Any] = {}
@@ -146,7 +142,7 @@ class Pat:
     def _match_value(self, value: Value, bindings: dict[str, Any]) -> bool:
         if self.one_use and len(value.uses) != 1:
             return False
-        if not self.matches_ops:
+        if self.names is None and self.test is None:  # Pat.var
             return self._bind(value, bindings)
         op = value.op
         return op is not None and self._match_op(op, bindings)
@@ -164,13 +160,11 @@ class Pat:
                 return False
         if self.where is not None and not self.where(op):
             return False
-        if self.operands is not None and not self._match_operands(op.operands, bindings):
+        if self.operands is not None and not self._match_operands(self.operands, op.operands, bindings):
             return False
         return self._bind(op, bindings)
 
-    def _match_operands(self, operands: Sequence[Value], bindings: dict[str, Any]) -> bool:
-        patterns = self.operands
-        assert patterns is not None
+    def _match_operands(self, patterns: tuple[Pat, ...], operands: Sequence[Value], bindings: dict[str, Any]) -> bool:
         if len(operands) != len(patterns):
             return False
         orders = itertools.permutations(patterns) if self.commutative else (patterns,)
@@ -189,14 +183,14 @@ class Pat:
 
 
 def _attribute_equal(actual: Any, expected: Any) -> bool:
-    """Equality of attribute values as they print: a list equals a tuple of the same items, and
-    `true` is neither `1` nor `1.0`."""
+    """Equality of attribute values as they print: a list equals a tuple of the same items; `1`,
+    `1.0` and `true` all differ."""
     if isinstance(expected, (list, tuple)):
         return isinstance(actual, (list, tuple)) and len(actual) == len(expected) and all(
             _attribute_equal(a, e) for a, e in zip(actual, expected))
     if isinstance(expected, bool) or isinstance(actual, bool):
         return actual is expected
-    return actual == expected
+    return isinstance(actual, float) == isinstance(expected, float) and actual == expected
 
 
 # -- patterns and the rewriter --------------------------------------------------------------------

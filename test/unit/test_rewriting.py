@@ -79,12 +79,13 @@ def test_one_use_attribute_and_kind_constraints():
     assert Pat(lambda op: op.family == "binary", where=lambda op: op.operands[0] is op.operands[1]).match(t) is None
 
 
-def test_attribute_constraints_tell_true_from_one():
+def test_attribute_constraints_tell_true_one_and_one_point_zero_apart():
     func = func_of("  %s = graph.sum %x {axes = [0], keep = true} : (tensor<4xf32>) -> tensor<1xf32>\n"
                    '  graph.return %s {names = ["s"]} : (tensor<1xf32>) -> ()\n', inputs="x")
     total = op_named(func, "s")
     assert Pat("graph.sum", attrs={"axes": (0,), "keep": True}).match(total) is not None
     assert Pat("graph.sum", attrs={"keep": 1}).match(total) is None
+    assert Pat("graph.sum", attrs={"axes": [0.0]}).match(total) is None
 
 
 class FoldAddOfDouble(PatternRule):
