@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -43,18 +44,27 @@ def _jsonable(value: Any) -> Any:
 
 
 class EventLog:
-    """Appends events to `events.jsonl`; each line is flushed at once so a crash loses at most one."""
+    """Appends events to `events.jsonl`; each line is flushed at once so a crash loses at most one.
+
+    A log whose last line was torn by a killed run gets its newline first, so the
+    next event starts a line of its own (the torn line stays, and readers skip it).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (closed by close())
+        self._file = open(self.path, "a+b")  # noqa: SIM115  (closed by close())
+        if self._file.tell() > 0:
+            self._file.seek(-1, os.SEEK_END)
+            if self._file.read(1) != b"\n":
+                self._file.write(b"\n")
+                self._file.flush()
 
     def write(self, type_: str, **fields: Any) -> dict[str, Any]:
         if type_ not in EVENT_TYPES:
             raise ValueError(f"unknown event type {type_}")
         event = {"type": type_, "time": round(time.time(), 3), **_jsonable(fields)}
-        self._file.write(json.dumps(event, allow_nan=False) + "\n")
+        self._file.write((json.dumps(event, allow_nan=False) + "\n").encode())
         self._file.flush()
         if type_ in ("checkpoint", "end"):
             os.fsync(self._file.fileno())
@@ -64,26 +74,50 @@ class EventLog:
         self._file.close()
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """Every event of a log, in order (a torn last line from a killed run is skipped).
+#: What may follow the digits a JSON decoder took when a number was cut short: `1.`, `2e`, `3e-`.
+_NUMBER_TAIL = re.compile(r"[-+.eE0-9]*")
 
-    A line that is not a JSON object anywhere else is an error located at it:
-    the log was edited or is not a run's.
+
+def _torn(line: str, err: json.JSONDecodeError) -> bool:
+    """Whether a line that is not JSON is an event cut short (a run killed while writing it).
+
+    Every event is one JSON object, so a torn one starts with `{` and fails only for
+    want of the rest: inside a string, or where the line ends (or ends partway
+    through a number, `true`, `false` or `null`). A line edited into something
+    else fails earlier and is no torn event.
     """
-    from ..diagnostics import Location, SxError
+    if not line.startswith("{"):
+        return False
+    if err.msg.startswith("Unterminated string"):
+        return True
+    rest = line[err.pos :].rstrip()
+    return _NUMBER_TAIL.fullmatch(rest) is not None or any(word.startswith(rest) for word in ("true", "false", "null"))
 
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every event of a log, in order; lines torn by a killed run (the last, or one a resumed run
+    terminated) are skipped.
+
+    Any other line that is not a JSON object is an error located at it: the log was
+    edited or is not a run's.
+    """
+    from ..diagnostics import Location, SxError, remember_source
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError as err:
+        raise SxError(f"cannot read {path}: {err.strerror or err}") from None
+    remember_source(str(path), text)
     events = []
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
+    for i, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
         try:
             event = json.loads(line)
         except json.JSONDecodeError as err:
-            if i == last:
-                continue  # torn by a killed run
+            if _torn(line, err):
+                continue
             raise SxError(
                 f"not a run's event log: this line is not JSON ({err.msg.lower()})",
                 Location(str(path), i + 1, err.colno),

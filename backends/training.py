@@ -41,7 +41,7 @@ import numpy as np
 from attrs import frozen
 
 from ..devices import require_available
-from ..diagnostics import SxError, display_path
+from ..diagnostics import SxError, display_path, source_digest
 from ..dialects.exp import CLIP_EPS
 from ..version import __version__
 from .checkpoint import (
@@ -163,13 +163,16 @@ class Experiment:
 
     @functools.cached_property
     def source_hashes(self) -> dict[str, str]:
-        """SHA-256 of every source file an op of the experiment came from."""
+        """SHA-256 of every source file an op of the experiment came from, as the compilation read it.
+
+        Only files the compilation read are hashed: a file a location names is never opened.
+        """
         files = {op.loc.file for op in self.module.walk() if op.loc is not None and not op.loc.file.startswith("<")}
         hashes = {}
         for file in sorted(files):
-            path = Path(file)
-            if path.is_file():
-                hashes[display_path(file)] = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = source_digest(file)
+            if digest is not None:
+                hashes[display_path(file)] = digest
         return hashes
 
     def knobs(self) -> dict[str, list[Any]]:
@@ -292,6 +295,7 @@ class Trainer:
         manifest = checkpoint.manifest
         if manifest.get("fingerprint") != self.exp.fingerprint:
             raise SxError(self._difference(manifest, checkpoint.path))
+        checkpoint.check_matches(self.params, self.states)
         for path, value in self.params.items():
             np.copyto(value, checkpoint.params[path])
         for name, value in self.states.items():
