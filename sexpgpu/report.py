@@ -193,6 +193,15 @@ def _parameters(params: list[Operation]) -> dict[str, Any]:
     return {"count": len(params), "elements": total, "master_bytes": total * 4, "modules": list(modules.values())}
 
 
+def _constant_order(value: Any) -> tuple[int, Any]:
+    """Folded constants in numeric order; the non-finite ones are text in the document (JSON has no
+    infinities): `-inf` and `inf` sort where they belong, `nan` and any other text last."""
+    if isinstance(value, (int, float)):
+        return (0, value)
+    infinite = {"-inf": -math.inf, "inf": math.inf}.get(value)
+    return (0, infinite) if infinite is not None else (1, str(value))
+
+
 def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[str, Any]]:
     out = []
     for op in groups:
@@ -208,7 +217,7 @@ def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[s
                 "members": members,
                 "states": [{"name": k, "elements": v} for k, v in states.items()],
                 "state_elements": sum(states.values()),
-                "constants": sorted(_plain(c) for c in attrs.get("constants", [])),
+                "constants": sorted((_plain(c) for c in attrs.get("constants", [])), key=_constant_order),
             }
         )
     return out
