@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from ..diagnostics import SxError
@@ -119,9 +120,20 @@ def write_checkpoint(run_dir: Path, step: int, params: dict[str, np.ndarray], st
     sources, fingerprint); the format, step and file hashes are added here.
     """
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     temporary = root / f".step-{step}.tmp-{os.getpid()}"
+    try:
+        return _write_checkpoint(root, final, temporary, step, params, states, manifest)
+    # A full disk, a read-only place (safetensors reports its I/O errors as its own): nothing half-written stays.
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(temporary, ignore_errors=True)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SxError(f"cannot write the checkpoint {final}: {reason}") from None
+
+
+def _write_checkpoint(root: Path, final: Path, temporary: Path, step: int, params: dict[str, np.ndarray],
+                      states: dict[str, np.ndarray], manifest: dict[str, Any]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     if temporary.exists():
         shutil.rmtree(temporary)
     temporary.mkdir()

@@ -9,10 +9,12 @@ finite (a diverged loss) are written as `null`, since JSON has no NaN; the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -24,6 +26,22 @@ END_STATUSES = ("done", "interrupted", "diverged", "failed")
 
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def make_record_dir(path: Path) -> None:
+    """Create a run record's directory (and its parents): a path that is a file, or a place that
+    cannot be written, is a wrong command line naming it."""
+    from ..diagnostics import UsageError, display_path
+
+    shown = display_path(str(path))
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"cannot write the run record to {shown}: it is a file, not a directory; choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.TemporaryFile(dir=path)
+    except OSError as err:
+        raise UsageError(f"cannot write the run record to {shown}: {err.strerror or err}; choose another --out") from None
+    probe.close()
 
 
 def _jsonable(value: Any) -> Any:
@@ -52,26 +70,39 @@ class EventLog:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+b")  # noqa: SIM115  (closed by close())
-        if self._file.tell() > 0:
-            self._file.seek(-1, os.SEEK_END)
-            if self._file.read(1) != b"\n":
-                self._file.write(b"\n")
-                self._file.flush()
+        make_record_dir(self.path.parent)
+        try:
+            self._file = open(self.path, "a+b")  # noqa: SIM115  (closed by close())
+            if self._file.tell() > 0:
+                self._file.seek(-1, os.SEEK_END)
+                if self._file.read(1) != b"\n":
+                    self._file.write(b"\n")
+                    self._file.flush()
+        except OSError as err:
+            raise self._cannot_write(err) from None
 
     def write(self, type_: str, **fields: Any) -> dict[str, Any]:
         if type_ not in EVENT_TYPES:
             raise ValueError(f"unknown event type {type_}")
         event = {"type": type_, "time": round(time.time(), 3), **_jsonable(fields)}
-        self._file.write((json.dumps(event, allow_nan=False) + "\n").encode())
-        self._file.flush()
-        if type_ in ("checkpoint", "end"):
-            os.fsync(self._file.fileno())
+        try:
+            self._file.write((json.dumps(event, allow_nan=False) + "\n").encode())
+            self._file.flush()
+            if type_ in ("checkpoint", "end"):
+                os.fsync(self._file.fileno())
+        except OSError as err:  # a full disk, a vanished mount
+            raise self._cannot_write(err) from None
         return event
 
+    def _cannot_write(self, err: OSError) -> Exception:
+        from ..diagnostics import SxError, display_path
+
+        return SxError(f"cannot write the event log {display_path(str(self.path))}: {err.strerror or err}")
+
     def close(self) -> None:
-        self._file.close()
+        # Every event was flushed when written; what a failed write left buffered is already reported.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 #: What may follow the digits a JSON decoder took when a number was cut short: `1.`, `2e`, `3e-`.

@@ -26,6 +26,7 @@ error ends it `failed` and is re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -54,6 +55,7 @@ from .events import EventLog, finite_or_none
 from .flat_updates import flat_clip, flat_update_graph
 from .interpreter import CompiledGraph, compile_graph
 from .loaders import Loader, vocabulary_bounds
+from .memory import check_training_tensors_fit, ran_out
 from .progress import ProgressReporter, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
@@ -186,6 +188,7 @@ class Trainer:
                  reporter_stream: Any = None, interactive: bool | None = None) -> None:
         self.exp = experiment
         self.out_dir = out_dir
+        check_training_tensors_fit(list(experiment.module.body.ops))
         self.loaders = {name: Loader.from_op(op) for name, op in experiment.loader_ops.items()}
         if experiment.train_loader_name not in self.loaders:
             raise SxError(f"defrun names loader {experiment.train_loader_name}, which is not defined",
@@ -447,9 +450,8 @@ class Trainer:
 
     def run(self, device: str) -> RunResult:
         exp = self.exp
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        remove_incomplete(self.out_dir)
         events = EventLog(self.out_dir / "events.jsonl")
+        remove_incomplete(self.out_dir)
         events.write(
             "start",
             file=display_path(exp.path),
@@ -514,8 +516,9 @@ class Trainer:
         except BaseException as err:
             reporter.close()
             failure = err.message if isinstance(err, SxError) else f"{type(err).__name__}: {err}"
-            events.write("end", status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
-                         step=step, seconds=time.perf_counter() - run_started, message=failure)
+            with contextlib.suppress(SxError):  # the log may be what failed (a full disk): the first error is the one to report
+                events.write("end", status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
+                             step=step, seconds=time.perf_counter() - run_started, message=failure)
             events.close()
             raise
         seconds = time.perf_counter() - run_started
@@ -591,5 +594,7 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
     if resume_path is None and (out_dir / "events.jsonl").exists():
         raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
                       f"--resume {display_path(str(out_dir))}, or choose another --out")
-    trainer = Trainer(experiment, out_dir, resume_path, stream, interactive)
-    return trainer.run(device)
+    try:
+        return Trainer(experiment, out_dir, resume_path, stream, interactive).run(device)
+    except MemoryError as err:
+        raise ran_out(err, experiment.run_op.loc) from None

@@ -28,6 +28,7 @@ compile time); otherwise the output goes through a fresh array and is copied.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from attrs import define, frozen
 
 from ...diagnostics import SxError
 from ...dialects.core import Operation, TensorType, Value
+from ..memory import format_bytes, out_of_memory
 from .dtypes import DtypePolicy
 from .kernels import batch_summed_matmul, constant_value, kernel_for
 
@@ -748,15 +750,22 @@ class _MemoryPlan:
         if value not in self.escaping:
             key = (shape or value.type.shape, policy.storage(value.type.dtype))
             pool = self._free.get(key)
-            buffer = pool.pop() if pool else self._allocate(*key)
+            buffer = pool.pop() if pool else self._allocate(*key, value)
             self.buffered_values += 1
             self._held.setdefault(self.storage_end[value], []).append((value, buffer))
         if not in_place:
             self._free_dying(position)
         return buffer
 
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        buffer = np.empty(shape, dtype)
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype, value: Value) -> np.ndarray:
+        try:
+            buffer = np.empty(shape, dtype)
+        except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            raise out_of_memory(
+                f"the {list(shape)} {np.dtype(dtype).name} result of {value.op.name}", nbytes, value.op.loc,
+                f", after {format_bytes(self.buffer_bytes)} of the graph's other buffers",
+            ) from None
         self.buffer_bytes += buffer.nbytes
         return buffer
 
