@@ -155,8 +155,34 @@ def read_events(path: Path) -> list[dict[str, Any]]:
             ) from None
         if not isinstance(event, dict):
             raise SxError("not a run's event log: this line is not a JSON object", Location(str(path), i + 1, 1))
+        wrong = _malformed(event)
+        if wrong is not None:
+            raise SxError(f"not a run's event log: {wrong}", Location(str(path), i + 1, 1))
         events.append(event)
     return events
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _malformed(event: dict[str, Any]) -> str | None:
+    """What is wrong with the fields readers of the log rely on (the step, the loss, the metrics), if anything."""
+    kind = event.get("type")
+    if not isinstance(kind, str):
+        return "this event has no type"
+    if kind not in ("step", "eval", "diagnostic", "checkpoint"):
+        return None
+    step = event.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"this {kind} event's step is not a step number"
+    if not _is_number(event.get("loss")):
+        return f"this {kind} event's loss is not a number"
+    for key in ("metrics", "counters", "values"):
+        table = event.get(key, {})
+        if not isinstance(table, dict) or not all(_is_number(v) for v in table.values()):
+            return f"this {kind} event's {key} are not numbers by name"
+    return None
 
 
 def events_schema() -> dict[str, Any]:

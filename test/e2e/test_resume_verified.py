@@ -154,3 +154,28 @@ def test_torn_lines_anywhere_are_skipped_but_edited_lines_are_errors(tmp_path, t
     with pytest.raises(SxError, match="not a run's event log: this line is not JSON") as err:
         read_events(log)
     assert str(err.value.loc).endswith("events.jsonl:2:1")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"type": "step", "step": "3", "loss": 1.5}', "this step event's step is not a step number"),
+        ('{"type": "step", "step": 3, "loss": "low"}', "this step event's loss is not a number"),
+        ('{"type": "eval", "step": 3, "metrics": [1.5]}', "this eval event's metrics are not numbers by name"),
+        ('{"step": 3}', "this event has no type"),
+    ],
+)
+def test_events_whose_fields_readers_rely_on_are_malformed_are_located_errors(tmp_path, line, message):
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"type": "start"}\n' + line + "\n")
+    with pytest.raises(SxError, match=f"not a run's event log: {message}") as err:
+        read_events(log)
+    assert str(err.value.loc).endswith("events.jsonl:2:1")
+
+
+def test_plot_to_a_place_that_cannot_be_written_is_a_command_line_error(record, capsys):
+    pytest.importorskip("matplotlib")
+    from sexpgpu.tools.main import main
+
+    assert main(["plot", str(record[1]), "-o", "/proc/no-such-dir/m.png"]) == 2
+    assert "error: cannot write /proc/no-such-dir/m.png: No such file or directory" in capsys.readouterr().err
