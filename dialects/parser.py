@@ -239,6 +239,8 @@ class Parser:
         attributes: dict[str, Any] = {}
         if i < n and toks[i][0] == "@":
             tok = toks[i]
+            if len(tok) == 1:
+                raise line.error("expected a symbol name after '@'", i)
             attributes["sym_name"] = _unquote(tok[1:], line, i) if tok[1] == '"' else tok[1:]
             i += 1
         operands: list[Value] = []
@@ -407,6 +409,8 @@ class Parser:
             line.pos -= 1
             return self.parse_attr_dict(line)
         if c == "@":
+            if len(tok) == 1:
+                raise line.error("expected a symbol name after '@'", index)
             return SymbolRef(_unquote(tok[1:], line, index) if tok[1] == '"' else tok[1:])
         if tok.startswith("tensor<"):
             line.pos -= 1
