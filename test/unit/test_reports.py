@@ -177,7 +177,8 @@ def test_text_sections_in_order():
     heads = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert heads == [
         "tiny.sx: 3 parameters, 10 steps, precision f32  (sexpgpu-frontend 0.1.0)",
-        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights", "graphs:", "training step:",
+        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights",
+        "graphs: 6 (an optimizer group's update graphs in one row)", "training step:",
         "diagnostics:", "precision:", report.DEVICE_HOLE,
     ]
     assert "  records          3 microbatches of 2 = 6 per step, 10 steps" in text
