@@ -209,3 +209,10 @@ def test_an_integer_literal_over_the_digit_limit_is_an_error_at_it():
         with pytest.raises(SxError, match=f"integer literal of {MAX_INT_DIGITS + 1} digits is too long") as err:
             reader("(f\n  " + "9" * (MAX_INT_DIGITS + 1) + ")", "big.sx")
         assert (err.value.loc.line, err.value.loc.col) == (2, 3)
+
+
+def test_long_strings_and_comments_with_escapes_read_whole():
+    body = "ab\\n\\\"c" * 10000
+    forms = read_text('#| a | b |# (s "' + body + '") #| x |#', "s.sx")
+    assert forms[0][1] == "ab\n\"c" * 10000
+    assert read_text('"' + "x" * 100000 + '"')[0] == "x" * 100000
