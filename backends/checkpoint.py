@@ -198,6 +198,9 @@ def resolve_checkpoint(path: Path) -> Path:
     if not found:
         if not path.exists():
             raise SxError(f"cannot resume from {path}: no such directory")
+        if not path.is_dir():
+            raise SxError(f"cannot resume from {path}: it is not a directory (give a run record or one of its "
+                          "checkpoints/step-N)")
         raise SxError(f"cannot resume from {path}: it holds no checkpoint (looked in {checkpoints_dir(path)})")
     return found[-1][1]
 

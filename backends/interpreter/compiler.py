@@ -198,6 +198,15 @@ def _kind(dtype: np.dtype) -> str:
     return "float"
 
 
+def _check_shapes(ops: list[Operation]) -> None:
+    """A negative dimension (a shape the frontend let through) is an error at the form that made it,
+    not numpy's failure in the middle of a step."""
+    for op in ops:
+        for result in op.results:
+            if any(d < 0 for d in result.type.shape):
+                raise SxError(f"the result of {op.name} has a negative dimension: {list(result.type.shape)}", op.loc)
+
+
 def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     """Compile a `graph.func` for the numpy interpreter.
 
@@ -209,6 +218,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
         raise ValueError(f"compile_graph needs a graph.func, got {func.name}")
     policy = DtypePolicy(float_mode)
     ops = list(func.body.ops)
+    _check_shapes(ops)
     users: dict[Value, list[Operation]] = {}
     for op in ops:
         for v in op.operands:
