@@ -56,7 +56,7 @@ from .flat_updates import flat_clip, flat_update_graph
 from .interpreter import CompiledGraph, compile_graph
 from .loaders import Loader, vocabulary_bounds
 from .memory import check_training_tensors_fit, ran_out
-from .progress import ProgressReporter, format_metrics, format_seconds
+from .progress import ProgressReporter, Throughput, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
 
@@ -431,6 +431,13 @@ class Trainer:
         record = self.train_loader.fields[0].shape
         return self.exp.microbatches * self.train_loader.batch * int(np.prod(record, dtype=np.int64))
 
+    def counted(self) -> tuple[str, int]:
+        """What the progress and the summary count, and how many a step processes: tokens of a token
+        source, else records."""
+        if self.train_loader.tokens is not None:
+            return "tokens", self.tokens_per_step()
+        return "records", self.exp.microbatches * self.train_loader.batch
+
     def manifest(self, step: int) -> dict[str, Any]:
         return {
             "selection": {"variant": self.exp.selection.get("variant"), "knobs": self.exp.knobs()},
@@ -465,14 +472,15 @@ class Trainer:
             },
             parameters=exp.parameter_count,
         )
-        reporter = ProgressReporter(exp.steps, self.start_step, self.reporter_stream, self.interactive)
+        unit, per_step = self.counted()
+        reporter = ProgressReporter(exp.steps, self.start_step, self.reporter_stream, self.interactive,
+                                    unit="tok" if unit == "tokens" else "rec")
+        throughput = Throughput(unit)
         run_started = time.perf_counter()
         step = self.start_step
         status, message = "done", None
         train_loss: float | None = None
         last_evals: dict[str, dict[str, float | None]] = {}
-        tokens_done = 0
-        step_seconds = 0.0
         try:
             with _Interrupt() as interrupt:
                 while step < exp.steps:
@@ -483,8 +491,7 @@ class Trainer:
                     loss, metrics, counters, observed = self.train_step(step + 1)
                     step += 1
                     seconds = time.perf_counter() - started
-                    tokens_done += self.tokens_per_step()
-                    step_seconds += seconds
+                    throughput.add(step, per_step, self.tokens_per_step(), seconds)
                     rate = self.tokens_per_step() / seconds if seconds > 0 else 0.0
                     events.write("step", step=step, loss=loss, metrics=metrics, counters=counters,
                                  seconds=seconds, tokens_per_s=rate)
@@ -495,7 +502,8 @@ class Trainer:
                         break
                     train_loss = loss
                     elapsed = time.perf_counter() - run_started
-                    reporter.step(step, loss, rate, elapsed / (step - self.start_step) * (exp.steps - step))
+                    reporter.step(step, loss, per_step / seconds if seconds > 0 else 0.0,
+                                  elapsed / (step - self.start_step) * (exp.steps - step))
                     for op in exp.diagnostic_ops:
                         if step % int(op.attributes["every"]) == 0:
                             events.write("diagnostic", step=step, name=str(op.attributes["name"]),
@@ -522,16 +530,15 @@ class Trainer:
             events.close()
             raise
         seconds = time.perf_counter() - run_started
-        # Training throughput: evaluations and checkpoints are not training.
-        mean_rate = tokens_done / step_seconds if step_seconds > 0 else 0.0
+        mean_rate = throughput.tokens_per_second()
         events.write("end", status=status, step=step, seconds=seconds, message=message, train_loss=train_loss,
                      eval=last_evals, tokens_per_s=mean_rate)
         events.close()
         result = RunResult(status, step, self.out_dir, message, train_loss, last_evals, mean_rate)
-        reporter.summary(self.summary_lines(result, seconds))
+        reporter.summary(self.summary_lines(result, seconds, throughput))
         return result
 
-    def summary_lines(self, result: RunResult, seconds: float) -> list[tuple[str, Any]]:
+    def summary_lines(self, result: RunResult, seconds: float, throughput: Throughput) -> list[tuple[str, Any]]:
         lines: list[tuple[str, Any]] = [
             ("status", f"{result.status} at step {result.step}/{self.exp.steps} in {format_seconds(seconds)}"
                        + (f" ({result.message})" if result.message and result.status != "done" else "")),
@@ -544,7 +551,7 @@ class Trainer:
         if entropy is not None:
             lines.append(("unigram entropy", f"{entropy:.4f} nats (of the training tokens; a model that "
                                              "learns nothing but frequencies reaches this)"))
-        lines.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s"))
+        lines.append(("throughput", throughput.describe()))
         lines.append(("record", f"{display_path(str(self.out_dir))}/events.jsonl"))
         lines.append(("plot", f"sexpgpu plot {display_path(str(self.out_dir))}"))
         return lines

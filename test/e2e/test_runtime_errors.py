@@ -140,3 +140,33 @@ def test_a_negative_dimension_check_let_through_is_located_at_run(tmp_path):
     with pytest.raises(SxError, match=r"the result of graph.iota has a negative dimension: \[-3\]") as err:
         quiet_train(path, out=tmp_path / "run")
     assert err.value.loc.line == 5
+
+
+def test_the_summary_says_what_its_throughput_counts(tiny, tmp_path):
+    stream = io.StringIO()
+    train(str(tiny), out=tmp_path / "run", stream=stream, interactive=False)
+    summary = stream.getvalue()
+    assert "tok/s" in summary
+    line = next(line for line in summary.splitlines() if line.strip().startswith("throughput"))
+    assert line.endswith("tokens/s over steps 2-4 (training only: not compilation, the first step's warm-up, "
+                         "evaluations or checkpoints)")
+
+
+def test_a_run_over_records_counts_records(tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "d.npz", x=np.zeros((6, 4), np.float32), y=np.arange(6) % 3)
+    path = tmp_path / "records.sx"
+    path.write_text("""\
+(defloader data :source (npy-file "d.npz") :fields ((x [4] f32) (y [] i32)) :batch 2)
+(defmodule net () (let ((w (param w [4 3] :init zeros))) (fn (x) (matmul x w))))
+(defmodel model (net))
+(defn objective (batch) (cross-entropy (model (get batch :x)) (get batch :y)))
+(defoptimizer opt (sgd :lr 0.1))
+(defrun :steps 1 :loader data :objective objective :optimizer opt)
+""")
+    stream = io.StringIO()
+    train(str(path), out=tmp_path / "run", stream=stream, interactive=False)
+    summary = stream.getvalue()
+    assert " rec/s " in summary and "tok/s" not in summary
+    assert "records/s over step 1 (training only: not compilation, evaluations or checkpoints)" in summary
