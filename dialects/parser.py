@@ -121,7 +121,10 @@ MAX_INT_DIGITS = 4300
 def _integer(tok: str, line: _Line, index: int) -> int:
     if len(tok) > MAX_INT_DIGITS:
         raise line.error(f"integer of {len(tok)} digits is too long (at most {MAX_INT_DIGITS})", index)
-    return int(tok)
+    try:
+        return int(tok)
+    except ValueError:  # `->` where a value should be
+        raise line.error(f"expected an integer, found '{tok}'", index) from None
 
 
 class Parser:

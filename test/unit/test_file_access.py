@@ -100,6 +100,7 @@ def test_opt_reads_standard_input_as_bytes():
         ("%0 = graph.const {value = " + "9" * 5000 + "} : () -> tensor<4xf32>", "integer of 5000 digits is too long", 29),
         ('%0 = graph.input {name = "x", role = "batch"} : () -> tensor<4xf32> loc("a\\q.sx":1:1)', "bad string", 71),
         ('%0 = graph.input {name = @, role = "batch"} : () -> tensor<4xf32>', "expected a symbol name after '@'", 28),
+        ("%0 = graph.const {value = ->} : () -> tensor<4xf32>", "expected an integer, found '->'", 29),
     ],
 )
 def test_textual_ir_strings_and_integers_are_located_errors(tmp_path, capsys, line, message, col):
