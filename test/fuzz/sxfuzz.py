@@ -15,8 +15,9 @@ outcomes; `test_fuzz.py` runs a fixed, seeded sample of cases in CI and
   brackets, prefixes, strings, numbers, symbols, keywords, comments) and on its
   bytes: token deletion, duplication and swaps, unbalanced brackets, extreme
   numbers, shape edits, deep nesting, form deletion and splicing (also across
-  seeds), symbol replacement, dropped keyword arguments, string damage, bad
-  bytes, a byte-order mark, non-UTF-8 text, truncation. A case stacks one to
+  seeds), symbol replacement, dropped keyword arguments, calls with an argument
+  more or fewer, arguments of another type, string damage, bad bytes, a
+  byte-order mark, non-UTF-8 text, truncation. A case stacks one to
   three of them, all drawn from a `random.Random(seed)`, so a case number
   always makes the same input.
 - **Verbs**: the seed's own lit RUN lines when it has them, else one of
@@ -594,7 +595,8 @@ def command_line(seed: Seed, rng: random.Random) -> tuple[str, list[str]]:
     return "sexpgpu", [verb, "{file}", *selection]
 
 
-def make_cases(seeds: list[Seed], count: int, seed: int = 0, start: int = 0, max_depth: int = 3000) -> Iterator[Case]:
+def make_cases(seeds: list[Seed], count: int, seed: str | int = 0, start: int = 0,
+               max_depth: int = 3000) -> Iterator[Case]:
     """`count` cases numbered from `start`; case n depends only on (seed, n) and the seeds."""
     sx_seeds = [s for s in seeds if s.is_sx]
     ir_seeds = [s for s in seeds if not s.is_sx]
