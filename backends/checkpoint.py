@@ -6,14 +6,17 @@ A checkpoint directory holds
 - `optimizer.safetensors`: every optimizer state as `<path>/<state>` (`m`, `v`,
   `momentum`);
 - `manifest.json`: the step, the selection, the loader positions, the RNG
-  state, the hashes of the source files, the experiment fingerprint and the
-  SHA-256 of both tensor files.
+  state, the hashes of the source files, the experiment fingerprint, the
+  SHA-256 of both tensor files, and `checksum`: the SHA-256 of everything
+  else in the manifest (its canonical JSON), so the manifest is covered as
+  the tensor files are.
 
 It is written into a temporary sibling directory, every file and the
 directory fsynced, then renamed into place, so a crash at any moment leaves
 either the whole checkpoint or none of it; the previous checkpoints stay
-untouched. Reading verifies the manifest and both hashes, so a damaged
-checkpoint is refused rather than resumed from.
+untouched. Reading verifies the manifest's checksum and both tensor hashes, so
+a damaged checkpoint, or a manifest edited by hand (a step, a loader position,
+the selection), is refused rather than resumed from.
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from ..diagnostics import SxError
 
+#: A tensor's shape and dtype, as a checkpoint must hold it.
+TensorSpec = tuple[tuple[int, ...], np.dtype]
+
 FORMAT = "sexpgpu-checkpoint"
-VERSION = 1
+#: 2: the manifest carries its own checksum.
+VERSION = 2
 PARAMS_FILE = "params.safetensors"
 STATES_FILE = "optimizer.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -56,6 +64,32 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.manifest["step"])
+
+    def check_matches(self, params: dict[str, TensorSpec], states: dict[str, TensorSpec]) -> None:
+        """Refuse, naming the tensor, a checkpoint whose tensors are not exactly the experiment's
+        (`params`, `states`: name → (shape, dtype)): one missing, one of another shape or dtype, or
+        one the experiment does not have."""
+        for kind, theirs, ours in (("parameter", self.params, params), ("optimizer state", self.states, states)):
+            for name, (shape, dtype) in ours.items():
+                found = theirs.get(name)
+                if found is None:
+                    raise self._mismatch(f"it holds no {kind} {name}")
+                if found.shape != tuple(shape):
+                    raise self._mismatch(f"{kind} {name} is {list(found.shape)} there, {list(shape)} here")
+                if found.dtype != dtype:
+                    raise self._mismatch(f"{kind} {name} is {found.dtype} there, {dtype} here")
+            extra = sorted(set(theirs) - set(ours))
+            if extra:
+                raise self._mismatch(f"it holds {kind} {extra[0]}, which the experiment does not have")
+
+    def _mismatch(self, why: str) -> SxError:
+        return SxError(f"cannot resume from {self.path}: its tensors do not match the experiment's: {why}")
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a manifest without its `checksum` field."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def file_sha256(path: Path) -> str:
@@ -90,9 +124,20 @@ def write_checkpoint(run_dir: Path, step: int, params: dict[str, np.ndarray], st
     sources, fingerprint); the format, step and file hashes are added here.
     """
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     temporary = root / f".step-{step}.tmp-{os.getpid()}"
+    try:
+        return _write_checkpoint(root, final, temporary, step, params, states, manifest)
+    # A full disk, a read-only place (safetensors reports its I/O errors as its own): nothing half-written stays.
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(temporary, ignore_errors=True)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SxError(f"cannot write the checkpoint {final}: {reason}") from None
+
+
+def _write_checkpoint(root: Path, final: Path, temporary: Path, step: int, params: dict[str, np.ndarray],
+                      states: dict[str, np.ndarray], manifest: dict[str, Any]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     if temporary.exists():
         shutil.rmtree(temporary)
     temporary.mkdir()
@@ -108,6 +153,7 @@ def write_checkpoint(run_dir: Path, step: int, params: dict[str, np.ndarray], st
         "step": step,
         "files": {name: file_sha256(temporary / name) for name in (PARAMS_FILE, STATES_FILE)},
     }
+    record["checksum"] = manifest_checksum(record)
     (temporary / MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     for name in (PARAMS_FILE, STATES_FILE, MANIFEST_FILE):
         _fsync_path(temporary / name)
@@ -156,6 +202,9 @@ def resolve_checkpoint(path: Path) -> Path:
     if not found:
         if not path.exists():
             raise SxError(f"cannot resume from {path}: no such directory")
+        if not path.is_dir():
+            raise SxError(f"cannot resume from {path}: it is not a directory (give a run record or one of its "
+                          "checkpoints/step-N)")
         raise SxError(f"cannot resume from {path}: it holds no checkpoint (looked in {checkpoints_dir(path)})")
     return found[-1][1]
 
@@ -173,17 +222,22 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if not manifest_path.is_file():
         raise refuse(f"{MANIFEST_FILE} is missing")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, bad UTF-8, a huge integer
         raise refuse(f"{MANIFEST_FILE} is not valid JSON ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise refuse(f"{MANIFEST_FILE} is not a sexpgpu checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise refuse(f"checkpoint format version {manifest.get('version')} is not {VERSION}")
+        raise refuse(f"checkpoint format version {manifest.get('version')} is not {VERSION} "
+                     "(written by another version of sexpgpu)")
+    if manifest.get("checksum") != manifest_checksum(manifest):
+        raise refuse(f"{MANIFEST_FILE} does not match its checksum: it was edited or damaged "
+                     "(a checkpoint's step, loader positions and selection are resumed as written)")
+    files = manifest.get("files")
     for name in (PARAMS_FILE, STATES_FILE):
         if not (path / name).is_file():
             raise refuse(f"{name} is missing")
-        if file_sha256(path / name) != manifest.get("files", {}).get(name):
+        if not isinstance(files, dict) or file_sha256(path / name) != files.get(name):
             raise refuse(f"{name} does not match the hash its manifest records")
     try:
         params = load_file(str(path / PARAMS_FILE))

@@ -22,6 +22,9 @@ before the first step.
 
 from __future__ import annotations
 
+import stat
+import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,22 @@ TOKEN_FILE_DTYPES = {"u16": "<u2", "uint16": "<u2", "u32": "<u4", "uint32": "<u4
 
 #: Tokens scanned at once when checking ids against the vocabulary (bounds memory on big files).
 _SCAN_CHUNK = 1 << 24
+
+#: numpy dtype kinds a field's numbers can come from: bool, signed and unsigned ints, floats.
+_NUMERIC_KINDS = frozenset("biuf")
+#: The other kinds, as messages name them.
+_DTYPE_KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "V": "structured records", "c": "complex numbers",
+                "M": "dates", "m": "time spans"}
+
+#: What `stat` calls the files that are not regular files, as messages name them.
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+#: The most a synthetic source generates (its generator is a Python loop: larger streams belong in a file).
+SYNTHETIC_MAX_VOCAB = 1 << 20
+SYNTHETIC_MAX_COUNT = 1 << 24
 
 
 class Field:
@@ -119,9 +138,16 @@ class Loader:
             raise self.error(f"source {self.source.get('kind')} needs a file path")
         path = self._resolve(raw)
         self.origin = raw
-        if not path.is_file():
-            raise self.error(f"cannot read {raw}: no such file ({path})")
-        if path.stat().st_size == 0:
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            raise self.error(f"cannot read {raw}: no such file ({path})") from None
+        except OSError as err:
+            raise self.error(f"cannot read {raw}: {err.strerror or err} ({path})") from None
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "not a regular file")
+            raise self.error(f"cannot read {raw}: it is {kind}, not a file ({path})")
+        if info.st_size == 0:
             raise self.error(f"{raw} is empty")
         return path
 
@@ -155,7 +181,7 @@ class Loader:
     def _open_npy(self, path: Path) -> None:
         try:
             if path.suffix == ".npz":
-                with np.load(path) as archive:
+                with np.load(path, allow_pickle=False) as archive:
                     missing = [f.name for f in self.fields if f.name not in archive.files]
                     if missing:
                         raise self.error(
@@ -164,7 +190,7 @@ class Loader:
                         )
                     self.records = {f.name: archive[f.name] for f in self.fields}
             else:
-                array = np.load(path, mmap_mode="r")
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
                 if array.ndim == 1 and np.issubdtype(array.dtype, np.integer):
                     self.tokens = array
                 elif len(self.fields) == 1:
@@ -174,10 +200,19 @@ class Loader:
                         f"{self.origin} holds one array but the loader has {len(self.fields)} fields; "
                         "use an .npz with one array per field"
                     )
-        except (ValueError, OSError) as err:
-            raise self.error(f"cannot read {self.origin} as numpy data: {err}") from None
+        # A truncated or damaged file fails in the zip reader, the decompressor or numpy's header parser.
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+            raise self.error(f"cannot read {self.origin} as numpy data: {err or type(err).__name__}") from None
         for f in self.fields if self.records else []:
             array = self.records[f.name]
+            if array.ndim == 0:
+                raise self.error(f"{self.origin}: array {f.name} is a single value, not [N, *record] records")
+            if array.dtype.kind not in _NUMERIC_KINDS:
+                raise self.error(
+                    f"{self.origin}: array {f.name} holds {array.dtype} data "
+                    f"({_DTYPE_KINDS.get(array.dtype.kind, 'not numbers')}); field {f.name} is {f.dtype}, "
+                    "which takes numbers"
+                )
             if tuple(array.shape[1:]) != f.shape:
                 raise self.error(
                     f"{self.origin}: array {f.name} has records of shape {list(array.shape[1:])}, "
@@ -196,6 +231,11 @@ class Loader:
         self.origin = f"(synthetic-tokens :vocab {vocab} :count {count} :seed {seed} :branch {branch})"
         if vocab < 1 or count < 1:
             raise self.error(f"synthetic-tokens needs a positive :vocab and :count, got {vocab} and {count}")
+        if vocab > SYNTHETIC_MAX_VOCAB or count > SYNTHETIC_MAX_COUNT:
+            raise self.error(
+                f"synthetic-tokens makes at most {SYNTHETIC_MAX_COUNT} tokens of a vocabulary of at most "
+                f"{SYNTHETIC_MAX_VOCAB}, got :count {count} and :vocab {vocab}; larger data belongs in a token-file"
+            )
         if not 1 <= branch <= vocab:
             raise self.error(f"synthetic-tokens :branch must be between 1 and the vocabulary {vocab}, got {branch}")
         rng = np.random.default_rng(seed)

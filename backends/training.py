@@ -32,6 +32,7 @@ error ends it `failed` and is re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -47,13 +48,14 @@ import numpy as np
 from attrs import frozen
 
 from ..devices import open_device
-from ..diagnostics import SxError, display_path
+from ..diagnostics import SxError, display_path, source_digest
 from ..dialects.core import Operation, TensorType
 from ..dialects.inits import initial_params
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
 from ..version import __version__
 from .checkpoint import (
+    TensorSpec,
     read_checkpoint,
     remove_incomplete,
     resolve_checkpoint,
@@ -63,7 +65,8 @@ from .events import EventLog, finite_or_none
 from .executor import DeviceArray, Executable, Executor
 from .flat_updates import flat_clip_graph, flat_update_graph, scaling_graph
 from .loaders import Loader, vocabulary_bounds
-from .progress import ProgressReporter, format_metrics, format_seconds
+from .memory import check_training_tensors_fit, ran_out
+from .progress import ProgressReporter, Throughput, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
 #: The scaling graph's name for the flat gradient array (the other inputs are `grad/<path>`).
@@ -178,13 +181,16 @@ class TrainingPlan:
 
     @functools.cached_property
     def source_hashes(self) -> dict[str, str]:
-        """SHA-256 of every source file an op of the experiment came from."""
+        """SHA-256 of every source file an op of the experiment came from, as the compilation read it.
+
+        Only files the compilation read are hashed: a file a location names is never opened.
+        """
         files = {op.loc.file for op in self.module.walk() if op.loc is not None and not op.loc.file.startswith("<")}
         hashes = {}
         for file in sorted(files):
-            path = Path(file)
-            if path.is_file():
-                hashes[display_path(file)] = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = source_digest(file)
+            if digest is not None:
+                hashes[display_path(file)] = digest
         return hashes
 
     def knobs(self) -> dict[str, list[Any]]:
@@ -201,6 +207,7 @@ class Trainer:
         #: Where the graphs run and the parameters, gradients and states live.
         self.executor = executor if executor is not None else open_device("cpu", "run")
         self.out_dir = out_dir
+        check_training_tensors_fit(list(plan.module.body.ops))
         self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
         if plan.train_loader_name not in self.loaders:
             raise SxError(f"defrun names loader {plan.train_loader_name}, which is not defined", plan.run_op.loc)
@@ -353,6 +360,7 @@ class Trainer:
         manifest = checkpoint.manifest
         if manifest.get("fingerprint") != self.plan.fingerprint:
             raise SxError(self._difference(manifest, checkpoint.path))
+        checkpoint.check_matches(*self.tensor_specs())
         ex = self.executor
         for path, value in self.params.items():
             ex.copy(ex.upload(checkpoint.params[path]), value)
@@ -481,6 +489,21 @@ class Trainer:
         record = self.train_loader.fields[0].shape
         return self.plan.microbatches * self.train_loader.batch * int(np.prod(record, dtype=np.int64))
 
+    def counted(self) -> tuple[str, int]:
+        """What the progress and the summary count, and how many a step processes: tokens of a token
+        source, else records."""
+        if self.train_loader.tokens is not None:
+            return "tokens", self.tokens_per_step()
+        return "records", self.plan.microbatches * self.train_loader.batch
+
+    def tensor_specs(self) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+        """The shape and dtype of each parameter and optimizer state a checkpoint holds (float32 masters)."""
+        f32 = np.dtype(np.float32)
+        params = {str(op.attributes["path"]): (tuple(op.attributes["type"].shape), f32) for op in self.plan.param_ops}
+        states = {f"{path}/{state}": (tuple(shape), f32)
+                  for path, (_, shapes) in self.updates.items() for state, shape in shapes.items()}
+        return params, states
+
     def manifest(self, step: int) -> dict[str, Any]:
         return {
             "selection": {"variant": self.plan.selection.get("variant"), "knobs": self.plan.knobs()},
@@ -502,9 +525,8 @@ class Trainer:
 
     def run(self) -> RunResult:
         plan = self.plan
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        remove_incomplete(self.out_dir)
         events = EventLog(self.out_dir / "events.jsonl")
+        remove_incomplete(self.out_dir)
         events.write(
             "start",
             file=display_path(plan.path),
@@ -518,14 +540,15 @@ class Trainer:
             },
             parameters=plan.parameter_count,
         )
-        reporter = ProgressReporter(plan.steps, self.start_step, self.reporter_stream, self.interactive)
+        unit, per_step = self.counted()
+        reporter = ProgressReporter(plan.steps, self.start_step, self.reporter_stream, self.interactive,
+                                    unit="tok" if unit == "tokens" else "rec")
+        throughput = Throughput(unit)
         run_started = time.perf_counter()
         step = self.start_step
         status, message = "done", None
         train_loss: float | None = None
         last_evals: dict[str, dict[str, float | None]] = {}
-        tokens_done = 0
-        step_seconds = 0.0
         try:
             with _Interrupt() as interrupt:
                 while step < plan.steps:
@@ -536,8 +559,7 @@ class Trainer:
                     loss, metrics, counters, observed = self.train_step(step + 1)
                     step += 1
                     seconds = time.perf_counter() - started
-                    tokens_done += self.tokens_per_step()
-                    step_seconds += seconds
+                    throughput.add(step, per_step, self.tokens_per_step(), seconds)
                     rate = self.tokens_per_step() / seconds if seconds > 0 else 0.0
                     events.write("step", step=step, loss=loss, metrics=metrics, counters=counters,
                                  seconds=seconds, tokens_per_s=rate)
@@ -548,7 +570,8 @@ class Trainer:
                         break
                     train_loss = loss
                     elapsed = time.perf_counter() - run_started
-                    reporter.step(step, loss, rate, elapsed / (step - self.start_step) * (plan.steps - step))
+                    reporter.step(step, loss, per_step / seconds if seconds > 0 else 0.0,
+                                  elapsed / (step - self.start_step) * (plan.steps - step))
                     for op in plan.diagnostic_ops:
                         if step % int(op.attributes["every"]) == 0:
                             events.write("diagnostic", step=step, name=str(op.attributes["name"]),
@@ -569,21 +592,21 @@ class Trainer:
         except BaseException as err:
             reporter.close()
             failure = err.message if isinstance(err, SxError) else f"{type(err).__name__}: {err}"
-            events.write("end", status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
-                         step=step, seconds=time.perf_counter() - run_started, message=failure)
+            with contextlib.suppress(SxError):  # the log may be what failed (a full disk): the first error is the one to report
+                events.write("end", status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
+                             step=step, seconds=time.perf_counter() - run_started, message=failure)
             events.close()
             raise
         seconds = time.perf_counter() - run_started
-        # Training throughput: evaluations and checkpoints are not training.
-        mean_rate = tokens_done / step_seconds if step_seconds > 0 else 0.0
+        mean_rate = throughput.tokens_per_second()
         events.write("end", status=status, step=step, seconds=seconds, message=message, train_loss=train_loss,
                      eval=last_evals, tokens_per_s=mean_rate)
         events.close()
         result = RunResult(status, step, self.out_dir, message, train_loss, last_evals, mean_rate)
-        reporter.summary(self.summary_lines(result, seconds))
+        reporter.summary(self.summary_lines(result, seconds, throughput))
         return result
 
-    def summary_lines(self, result: RunResult, seconds: float) -> list[tuple[str, Any]]:
+    def summary_lines(self, result: RunResult, seconds: float, throughput: Throughput) -> list[tuple[str, Any]]:
         lines: list[tuple[str, Any]] = [
             ("status", f"{result.status} at step {result.step}/{self.plan.steps} in {format_seconds(seconds)}"
                        + (f" ({result.message})" if result.message and result.status != "done" else "")),
@@ -596,7 +619,7 @@ class Trainer:
         if entropy is not None:
             lines.append(("unigram entropy", f"{entropy:.4f} nats (of the training tokens; a model that "
                                              "learns nothing but frequencies reaches this)"))
-        lines.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s"))
+        lines.append(("throughput", throughput.describe()))
         lines.append(("record", f"{display_path(str(self.out_dir))}/events.jsonl"))
         lines.append(("plot", f"sexpgpu plot {display_path(str(self.out_dir))}"))
         return lines
@@ -652,5 +675,7 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
     if resume_path is None and (out_dir / "events.jsonl").exists():
         raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
                       f"--resume {display_path(str(out_dir))}, or choose another --out")
-    trainer = Trainer(plan, out_dir, resume_path, stream, interactive, executor)
-    return trainer.run()
+    try:
+        return Trainer(plan, out_dir, resume_path, stream, interactive, executor).run()
+    except MemoryError as err:
+        raise ran_out(err, plan.run_op.loc) from None

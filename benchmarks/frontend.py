@@ -1,4 +1,5 @@
-"""Frontend speed: reading a generated 1 MB .sx file, and a fold calling a user function.
+"""Frontend speed: reading a generated 1 MB .sx file, and a fold calling a user function; the peak
+memory of reading a file holding one 1 MB string literal (in a fresh process).
 
 Run: python benchmarks/frontend.py
 """
@@ -6,6 +7,8 @@ Run: python benchmarks/frontend.py
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -49,10 +52,24 @@ def fold_calls_per_s(n: int = 100_000) -> float:
     return n / (time.perf_counter() - start)
 
 
+def string_literal_peak_mib(size: int = 1 << 20) -> float:
+    """Peak memory reading one `size`-character string literal takes, above an interpreter that read nothing."""
+    script = (
+        "import resource, sys\n"
+        "from sexpgpu.frontend.reader import read_text\n"
+        "read_text('(warm)')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"read_text('(def s \"' + 'x' * {size} + '\")')\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
+    )
+    return float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+
+
 def main() -> None:
     text = generated_source()
     print(f"read   {len(text) / 1e6:.2f} MB: {reading_mb_per_s(text):.2f} MB/s")
     print(f"fold   100000 calls of a user fn: {fold_calls_per_s():,.0f} calls/s")
+    print(f"string a 1 MB literal: {string_literal_peak_mib():.0f} MiB peak above the interpreter")
 
 
 if __name__ == "__main__":

@@ -106,8 +106,25 @@ def _show(tok: str | None) -> str:
     return "end of line" if tok is None else f"'{tok}'"
 
 
-def _unquote(tok: str) -> str:
-    return json.loads(tok)
+def _unquote(tok: str, line: _Line, index: int) -> str:
+    """A string token's value (JSON escapes); a bad escape is an error at the token."""
+    try:
+        return json.loads(tok)
+    except json.JSONDecodeError as err:
+        raise line.error(f"bad string {tok[:40]}: {err.msg.lower()}", index) from None
+
+
+#: The most digits an integer in textual IR may have (Python's limit on converting text to an int).
+MAX_INT_DIGITS = 4300
+
+
+def _integer(tok: str, line: _Line, index: int) -> int:
+    if len(tok) > MAX_INT_DIGITS:
+        raise line.error(f"integer of {len(tok)} digits is too long (at most {MAX_INT_DIGITS})", index)
+    try:
+        return int(tok)
+    except ValueError:  # `->` where a value should be
+        raise line.error(f"expected an integer, found '{tok}'", index) from None
 
 
 class Parser:
@@ -225,7 +242,9 @@ class Parser:
         attributes: dict[str, Any] = {}
         if i < n and toks[i][0] == "@":
             tok = toks[i]
-            attributes["sym_name"] = _unquote(tok[1:]) if tok[1] == '"' else tok[1:]
+            if len(tok) == 1:
+                raise line.error("expected a symbol name after '@'", i)
+            attributes["sym_name"] = _unquote(tok[1:], line, i) if tok[1] == '"' else tok[1:]
             i += 1
         operands: list[Value] = []
         operand_index = i
@@ -267,7 +286,7 @@ class Parser:
                              name_index)
         loc = None
         if i < n and toks[i].startswith("loc("):
-            loc = self.parse_location(toks[i])
+            loc = self.parse_location(line, i)
             i += 1
         line.pos = i
         op = Operation.create(name, operands, result_types, attributes, loc=loc)
@@ -334,14 +353,16 @@ class Parser:
         if dtype not in DTYPES:
             raise line.error(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})", index)
         dims = m.group(1)
-        tt = TensorType(tuple(int(d) for d in dims[:-1].split("x")) if dims else (), dtype)
+        tt = TensorType(tuple(_integer(d, line, index) for d in dims[:-1].split("x")) if dims else (), dtype)
         self.types[tok] = tt
         return tt
 
-    def parse_location(self, tok: str) -> Location | None:
+    def parse_location(self, line: _Line, index: int) -> Location | None:
+        tok = line.tokens[index]
         if tok in self.locs:
             return self.locs[tok]
-        frames = [(_unquote(f), int(ln), int(col)) for f, ln, col in _LOC_FRAME.findall(tok)]
+        frames = [(_unquote(f, line, index), _integer(ln, line, index), _integer(col, line, index))
+                  for f, ln, col in _LOC_FRAME.findall(tok)]
         loc = None
         for file, ln, col in reversed(frames):
             loc = Location(file, ln, col, via=loc)
@@ -359,7 +380,7 @@ class Parser:
             index = line.pos
             tok = line.next("an attribute name")
             if tok[0] == '"':
-                key = _unquote(tok)
+                key = _unquote(tok, line, index)
             elif tok[0].isalpha() or tok[0] == "_":
                 key = tok
             else:
@@ -375,11 +396,11 @@ class Parser:
         tok = line.next("an attribute value")
         c = tok[0]
         if c == '"':
-            return _unquote(tok)
+            return _unquote(tok, line, index)
         if c.isdigit() or (c in "-+" and len(tok) > 1):
             if "." in tok or "e" in tok or "E" in tok or tok[-1] in "fn":
                 return float(tok)
-            return int(tok)
+            return _integer(tok, line, index)
         if c == "[":
             items = []
             while not line.accept("]"):
@@ -391,7 +412,9 @@ class Parser:
             line.pos -= 1
             return self.parse_attr_dict(line)
         if c == "@":
-            return SymbolRef(_unquote(tok[1:]) if tok[1] == '"' else tok[1:])
+            if len(tok) == 1:
+                raise line.error("expected a symbol name after '@'", index)
+            return SymbolRef(_unquote(tok[1:], line, index) if tok[1] == '"' else tok[1:])
         if tok.startswith("tensor<"):
             line.pos -= 1
             return self.parse_type(line)

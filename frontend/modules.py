@@ -38,6 +38,11 @@ from .evaluator import (
 from .printing import show
 from .tracer import Tensor, Trace, Traceable, describe, dtype_name, module_path, require_trace
 
+#: Bounds that turn an absurd knob (2^31 layers, a [10^9 10^9] weight) into an error at the form instead
+#: of an evaluation that never ends: far beyond any model (16384 blocks; 2^40 elements, 4 TiB as f32).
+MAX_SUBMODULES = 1 << 14
+MAX_PARAM_ELEMENTS = 1 << 40
+
 
 def _normal(loc: Location | None, std: object) -> Init:
     return Init("normal", {"std": _located_number(std, "(normal std): std", loc)})
@@ -229,6 +234,9 @@ def _param(env: Env, args: list, loc: Location | None) -> Param:
     shape = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise SxError(f"param {name}: shape must be a vector of positive ints, got {show(shape)}", env.loc_of_arg(1))
+    if math.prod(shape) > MAX_PARAM_ELEMENTS:
+        raise SxError(f"param {name}: shape {show(shape)} has {math.prod(shape)} elements, more than a parameter may "
+                      f"have ({MAX_PARAM_ELEMENTS})", env.loc_of_arg(1))
     options = _keyword_options(env, args, 2, {"init", "dtype"}, f"param {name}")
     init = options.get("init", Init("normal", {"std": 0.02}))
     if not isinstance(init, Init):
@@ -275,6 +283,9 @@ def _sub_list(env: Env, args: list, loc: Location | None) -> SxList:
     n = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise SxError(f"sub-list {name}: the count must be a non-negative int, got {show(n)}", env.loc_of_arg(1))
+    if n > MAX_SUBMODULES:
+        raise SxError(f"sub-list {name}: {n} submodules is more than a list may have ({MAX_SUBMODULES})",
+                      env.loc_of_arg(1))
     tree = tree_of(env)
     if not tree.path_stack:
         raise SxError(f"(sub-list {name} …) outside a module: submodules are made by a defmodule body", loc)

@@ -10,14 +10,19 @@ unbounded), and errors that name what was open ("unclosed '(' opened at 12:3").
 from __future__ import annotations
 
 import bisect
+import codecs
+import errno
 import functools
 import gc
+import hashlib
 import math
+import os
 import re
+import stat
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import LarkError
+from lark.exceptions import LarkError, VisitError
 
 from ..diagnostics import Location, SxError, remember_source
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxList, SxMap, SxVector, Symbol
@@ -85,16 +90,66 @@ def _skipper() -> re.Pattern[str]:
 def read_file(path: str) -> SxList:
     """Read every datum of the file at `path`; the result's `locs` locate each top-level form."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = read_source_bytes(path)
     except FileNotFoundError:
         raise SxError(f"no such file '{path}'") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SxError(f"cannot read '{path}': {e}") from None
+    except OSError as e:
+        raise SxError(f"cannot read '{path}': {e.strerror or e}") from None
+    text = decode_source(data, path)
+    remember_source(path, text, hashlib.sha256(data).hexdigest())
     return read_text(text, path)
 
 
+#: What `stat` calls the files that are not regular files, as messages name them.
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+
+def read_source_bytes(path: str) -> bytes:
+    """The bytes of the regular file at `path`.
+
+    Anything else (a directory, a FIFO, a device, a socket) is refused with an
+    `OSError` saying what it is, before a byte is read: opening is non-blocking,
+    so a FIFO with no writer cannot hang the reader, and `/dev/zero` is never
+    read without end.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+        raise OSError(errno.EINVAL, f"it is {kind}, not a file")
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def decode_source(data: bytes, path: str) -> str:
+    """Source bytes as text: UTF-8, a leading byte-order mark skipped.
+
+    Bytes that are not UTF-8 are an error located at the first bad byte (its line,
+    and its column counted in characters, as every other location is).
+    """
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[: e.start].decode("utf-8")
+        line = before.count("\n") + 1
+        col = len(before) - (before.rfind("\n") + 1) + 1
+        remember_source(path, data.decode("utf-8", "replace"))
+        raise SxError(
+            f"the file is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} is {e.reason}",
+            Location(path, line, col),
+        ) from None
+
+
 def read_text(text: str, file: str = "<string>") -> SxList:
-    """Read every datum of `text` (attributed to `file`) into a top-level list."""
+    """Read every datum of `text` (attributed to `file`) into a top-level list; a leading byte-order mark is skipped."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
     remember_source(file, text)
     # Reading allocates many small containers and nothing cyclic: the cyclic collector
     # would rescan the growing tree again and again (reading 1 MB took 4x longer).
@@ -130,13 +185,22 @@ def parse_string_literal(token: str, file: str, line: int, col: int) -> str:
     return _ESCAPE_RE.sub(unescape, body)
 
 
-def parse_number(token: str) -> int | float:
-    """The value of an INT or FLOAT token."""
+#: The most digits an integer literal may have: Python's own limit on converting text to an int
+#: (`sys.get_int_max_str_digits()`), which bounds the conversion's quadratic time.
+MAX_INT_DIGITS = 4300
+
+
+def parse_number(token: str, loc: Location | None = None) -> int | float:
+    """The value of an INT or FLOAT token; an integer of more than `MAX_INT_DIGITS` digits is an error at `loc`."""
     word = _FLOAT_WORDS.get(token)
     if word is not None:
         return word
     if "." in token or "e" in token or "E" in token:
         return float(token)
+    if len(token) > MAX_INT_DIGITS:
+        digits = sum(ch.isdigit() for ch in token)
+        if digits > MAX_INT_DIGITS:
+            raise SxError(f"integer literal of {digits} digits is too long (at most {MAX_INT_DIGITS})", loc)
     return int(token)
 
 
@@ -258,7 +322,7 @@ class _Reader:
                 start = opened
                 opener, opened, items, offs, prefixes = stack.pop()
             elif kind is _NUMBER:
-                value = parse_number(text[start:pos])
+                value = parse_number(text[start:pos], src.loc(start) if pos - start > MAX_INT_DIGITS else None)
             elif kind is _STRING:
                 tok = text[start:pos]
                 if "\\" in tok:
@@ -337,7 +401,7 @@ class _ToDatum(Transformer):
         if tok.type == "STRING":
             return parse_string_literal(str(tok), self.file, tok.line, tok.column), loc
         if tok.type in ("INT", "FLOAT"):
-            return parse_number(str(tok)), loc
+            return parse_number(str(tok), loc), loc
         if tok.type == "KEYWORD":
             return Keyword(tok[1:]), loc
         if tok in _ATOM_CONSTANTS:
@@ -378,4 +442,9 @@ def parse_with_lark(text: str, file: str = "<string>") -> SxList:
     except LarkError as e:
         line, col = getattr(e, "line", 0), getattr(e, "column", 0)
         raise SxError(f"syntax error: {str(e).splitlines()[0]}", Location(file, line, col)) from None
-    return _ToDatum(file).transform(tree)
+    try:
+        return _ToDatum(file).transform(tree)
+    except VisitError as e:  # a bad escape or number, raised as the fast reader raises it
+        if isinstance(e.orig_exc, SxError):
+            raise e.orig_exc from None
+        raise

@@ -12,15 +12,20 @@ the `defvariant` forms themselves only print their name.
 
 A `--set` value is parsed by the type of the knob's default: int, float, bool
 (`true`/`false`), string, or a dtype name (`f32 bf16 f16 i32 i64 bool none`).
+
+An unknown `--variant` or `--set` knob is a wrong command line (`UsageError`,
+exit 2), not an error in the file; a value the knob's type does not take is
+located at the knob's declaration.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from attrs import define, field
 
-from ..diagnostics import Location, SxError, nearest
+from ..diagnostics import Location, SxError, UsageError, nearest
 from .data import SELF_EVALUATING_NAMES, Symbol
 
 SOURCES = ("default", "variant", "set")
@@ -106,7 +111,10 @@ def parse_set_value(knob: Knob, text: str) -> Any:
         if kind == "int":
             return int(text)
         if kind == "float":
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
         if kind == "dtype":
             if text not in SELF_EVALUATING_NAMES:
                 raise ValueError
@@ -117,7 +125,8 @@ def parse_set_value(knob: Knob, text: str) -> Any:
         pass
     else:
         raise SxError(f"knob '{knob.name}' cannot be set from the command line (its default is not a plain value)", knob.loc)
-    expected = {"dtype": "a dtype (" + ", ".join(SELF_EVALUATING_NAMES) + ")", "bool": "true or false"}.get(kind, described_type(kind))
+    expected = {"dtype": "a dtype (" + ", ".join(SELF_EVALUATING_NAMES) + ")", "bool": "true or false",
+                "float": "a finite float"}.get(kind, described_type(kind))
     raise SxError(
         f"--set {knob.name}={text}: knob '{knob.name}' takes {expected} (its default is {show_value(knob.default)})",
         knob.loc,
@@ -139,7 +148,7 @@ class Selection:
     knobs: dict[str, Knob] = field(factory=dict)
     #: knob -> (selected value, source); filled by `select`.
     values: dict[str, tuple[Any, str]] = field(factory=dict)
-    #: Where `defknobs` was, for errors about the command line's selection.
+    #: Where `defknobs` was.
     loc: Location | None = None
 
     def add_variant(self, variant: Variant) -> None:
@@ -162,16 +171,16 @@ class Selection:
         if self.variant is not None:
             chosen = self.variants.get(self.variant)
             if chosen is None:
-                raise SxError(self._unknown_variant(self.variant), loc)
+                raise UsageError(self._unknown_variant(self.variant))
             for name, value in chosen.values.items():
                 self.values[name] = (self._checked(name, value, chosen.value_locs.get(name)), "variant")
         for item in self.sets:
             name, eq, text = item.partition("=")
             name = name.strip()
             if not eq or not name:
-                raise SxError(f"--set expects KNOB=VALUE, got '{item}'", loc)
+                raise UsageError(f"--set expects KNOB=VALUE, got '{item}'")
             if name not in self.knobs:
-                raise SxError(f"--set {item}: {_unknown_knob(name, self.knobs)}", loc)
+                raise UsageError(f"--set {item}: {_unknown_knob(name, self.knobs)}")
             self.values[name] = (parse_set_value(self.knobs[name], text.strip()), "set")
         return {name: value for name, (value, _) in self.values.items()}
 
@@ -199,11 +208,11 @@ class Selection:
         return f"unknown variant '{name}'" + (f"; did you mean '{hint}'?" if hint else "") + f" (variants: {known})"
 
     def check_command_line(self) -> None:
-        """Selection flags given to a file that declares no knobs are errors too."""
+        """Selection flags given to a file that declares no knobs are command-line errors too."""
         if self.knobs:
             return
         if self.variant is not None:
-            raise SxError(self._unknown_variant(self.variant), self.loc)
+            raise UsageError(self._unknown_variant(self.variant))
         if self.sets:
             name = self.sets[0].partition("=")[0]
-            raise SxError(f"--set {self.sets[0]}: unknown knob '{name}' (the file declares no knobs)", self.loc)
+            raise UsageError(f"--set {self.sets[0]}: unknown knob '{name}' (the file declares no knobs)")

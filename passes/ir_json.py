@@ -16,7 +16,6 @@ indentation. Non-finite floats, which JSON lacks, are written as the strings
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from typing import Any, ClassVar, TextIO
 
 from attrs import define
 
-from ..diagnostics import Location, display_path
+from ..diagnostics import Location, display_path, source_digest
 from ..dialects.core import Operation, SymbolRef, TensorType
 from ..dialects.printer import attribute_json
 from ..version import __version__
@@ -52,7 +51,9 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
 
     The unit's file, then every file an op's location (or the library frame
     it was reached through) names, in first-seen order: the requires and the
-    prelude that made the graphs. A file that cannot be read is left out.
+    prelude that made the graphs. Only files this compilation read are listed,
+    hashed as they were read: a file a location merely names (textual IR may
+    name any path) is never opened.
     """
     named: dict[str, None] = {unit.path: None} if unit.path else {}
     locs: dict[int, Location | None] = {}
@@ -72,16 +73,12 @@ def source_files(unit: CompilationUnit) -> list[dict[str, str]]:
         while loc is not None:
             named[loc.file] = None
             loc = loc.via
-    out = []
-    for path in dict.fromkeys(os.path.abspath(f) for f in named if not f.startswith("<")):
-        try:
-            with open(path, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            # Textual IR may name .sx files that are not here; the manifest lists what it can hash.
-            continue
-        out.append({"path": display_path(path), "sha256": digest})
-    return out
+    out: dict[str, dict[str, str]] = {}
+    for file in named:
+        digest = source_digest(file)
+        if digest is not None:
+            out.setdefault(os.path.abspath(file), {"path": display_path(file), "sha256": digest})
+    return list(out.values())
 
 
 class _Writer:

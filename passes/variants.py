@@ -5,7 +5,8 @@ graph placed right after it; `diagnose` also strips observations from
 `@train`. `accumulate` and `stack` need the gradient outputs of `autodiff`;
 so does a `grads` diagnostic.
 
-- `accumulate` → `@train_accumulating {kind = "train_accumulating"}`: one more
+- `accumulate` → `@train_accumulating {kind = "train_accumulating"}` (unless the
+  run has one microbatch, which only ever runs `@train`): one more
   `graph.input {role = "grad", name = "grad/<path>"}` per gradient output
   (named like the output, so a caller feeds the previous call's outputs back
   unchanged); each `grad/<path>` output is that input plus the fresh gradient.
@@ -108,6 +109,7 @@ class Accumulate(Pass):
 
     Guarantees: `@train` is unchanged; each `grad/<path>` output of the clone is
     its `grad/<path>` input plus what `@train` returns for it; other outputs match `@train`'s.
+    A module whose `exp.run` has one microbatch gets no clone: no step would run it.
     """
 
     name = "accumulate"
@@ -115,7 +117,10 @@ class Accumulate(Pass):
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        build_accumulating(module, train_graph(module, needs_grads=True))
+        train = train_graph(module, needs_grads=True)
+        run = next((op for op in module.body.ops if op.name == "exp.run"), None)
+        if run is None or run.attributes.get("microbatches", 2) != 1:
+            build_accumulating(module, train)
 
 
 def build_accumulating(module: Operation, train: Operation) -> Operation:

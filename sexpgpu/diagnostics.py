@@ -18,22 +18,27 @@ from attrs import define, field, frozen
 
 #: Source text of every file read in this process, so a diagnostic can show its line.
 _SOURCES: dict[str, str] = {}
+#: SHA-256 of the bytes of every source file read from disk in this process.
+_DIGESTS: dict[str, str] = {}
 
 
-def remember_source(path: str, text: str) -> None:
-    """Record the text of `path` so diagnostics located in it can quote lines."""
+def remember_source(path: str, text: str, sha256: str | None = None) -> None:
+    """Record the text of `path` so diagnostics located in it can quote lines (and the hash of its bytes)."""
     _SOURCES[path] = text
+    if sha256 is not None:
+        _DIGESTS[path] = sha256
+
+
+def source_digest(path: str) -> str | None:
+    """SHA-256 of the bytes of `path` as this process read them as source; None when it read no such file."""
+    return _DIGESTS.get(path)
 
 
 def source_line(path: str, line: int) -> str | None:
+    """Line `line` of a source this process read; never a file only a location names (it is not opened)."""
     text = _SOURCES.get(path)
     if text is None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError):
-            return None
-        _SOURCES[path] = text
+        return None
     lines = text.splitlines()
     if 1 <= line <= len(lines):
         return lines[line - 1]

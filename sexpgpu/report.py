@@ -20,10 +20,8 @@ from .dialects.printer import attribute_json
 from .dialects.traits import FAMILIES
 from .version import __version__
 
-#: Rows of largest tensors kept per graph in the document.
+#: Rows of largest tensors kept per graph, in the document and the text (an update group's row shows one).
 LARGEST_KEPT = 10
-#: Rows of largest tensors the text shows for graphs other than `train` (the document keeps ten).
-LARGEST_SHOWN_OTHER = 3
 #: Constants the text lists per group before eliding the rest (the document keeps all).
 CONSTANTS_SHOWN = 8
 #: Emit names the text lists per kind of emit before summarising the rest (the document keeps all).
@@ -169,6 +167,15 @@ def _parameters(params: list[Operation]) -> dict[str, Any]:
     return {"count": len(params), "elements": total, "master_bytes": total * 4, "modules": list(modules.values())}
 
 
+def _constant_order(value: Any) -> tuple[int, Any]:
+    """Folded constants in numeric order; the non-finite ones are text in the document (JSON has no
+    infinities): `-inf` and `inf` sort where they belong, `nan` and any other text last."""
+    if isinstance(value, (int, float)):
+        return (0, value)
+    infinite = {"-inf": -math.inf, "inf": math.inf}.get(value)
+    return (0, infinite) if infinite is not None else (1, str(value))
+
+
 def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[str, Any]]:
     out = []
     for op in groups:
@@ -184,7 +191,7 @@ def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[s
                 "members": members,
                 "states": [{"name": k, "elements": v} for k, v in states.items()],
                 "state_elements": sum(states.values()),
-                "constants": sorted(attribute_json(c) for c in attrs.get("constants", [])),
+                "constants": sorted((attribute_json(c) for c in attrs.get("constants", [])), key=_constant_order),
             }
         )
     return out
@@ -509,34 +516,34 @@ def _largest_rows(tensors: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def _render_graphs(doc: dict[str, Any]) -> list[str]:
-    """Each graph with its ops, emits and largest tensors. The variants of the train graph say `as train`
-    where their largest tensors are train's; an optimizer group's update graphs and the clip graphs show
-    their one largest tensor (a parameter's size) and no emits line when they emit nothing."""
-    lines = ["graphs:"]
+    """Each graph with its ops, emits and its ten largest tensors. The variants of the train graph say
+    `as train` where their largest tensors are train's; a row summing an optimizer group's update graphs
+    shows their one largest tensor; update and clip graphs have no emits line when they emit nothing. The
+    header counts graphs as `check` does: a group's update graphs share one row."""
+    symbols = sum(len(g["symbols"]) for g in doc["graphs"])
+    shared = " (an optimizer group's update graphs in one row)" if symbols != len(doc["graphs"]) else ""
+    lines = [f"graphs: {symbols}{shared}"]
     train = next((g for g in doc["graphs"] if g["kind"] == "train"), None)
     for g in doc["graphs"]:
-        # Update and clip graphs read and write parameters and states: their largest tensor is a parameter's size.
-        update = g["kind"] in ("update", "clip")
         count = f"{plural(len(g['symbols']), 'graph')}, " if g["kind"] == "update" else ""
         lines.append(
             f"  {g['name']}  {count}{g['nodes']} nodes, {plural(g['casts'], 'cast')} added by the "
             f"{doc['step']['precision']} policy"
         )
         rows = [["ops", ", ".join(f"{o['family']} {o['count']}" for o in g["ops"]) or "none"]]
-        if g["emits"] or not update:
+        # Update and clip graphs read and write parameters and states: most emit nothing.
+        if g["emits"] or g["kind"] not in ("update", "clip"):
             rows.append(["emits", _show_emits(g["emits"])])
-        shown = g["largest"] if g["kind"] == "train" else g["largest"][:LARGEST_SHOWN_OTHER]
-        as_train = (
-            train is not None and g is not train and g["kind"].startswith("train") and shown == train["largest"][: len(shown)]
-        )
         lines += _table(rows, 4, min_widths=(7,))
-        if update and shown:
-            lines.append("    largest tensor:  " + "  ".join(_largest_rows(shown[:1])[0]))
-        elif as_train:
+        if train is not None and g is not train and g["kind"].startswith("train") and g["largest"] == train["largest"]:
             lines.append("    largest tensors: as train")
-        elif not update:
+        elif g["kind"] == "update" and g["largest"]:
+            # A row summing a group's update graphs: every one reads and writes tensors of its parameter's
+            # size, so their largest is the group's largest parameter (the document keeps ten).
+            lines.append("    largest tensor:  " + "  ".join(_largest_rows(g["largest"][:1])[0]))
+        elif g["largest"]:
             lines.append("    largest tensors:")
-            lines += _table(_largest_rows(shown), 6, right=(0,), min_widths=(COUNT_WIDTH, 0, DTYPE_WIDTH))
+            lines += _table(_largest_rows(g["largest"]), 6, right=(0,), min_widths=(COUNT_WIDTH, 0, DTYPE_WIDTH))
     return lines
 
 

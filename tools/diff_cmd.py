@@ -10,6 +10,7 @@ text differs are kept, and a key only one side has reads `-`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Iterator
@@ -18,8 +19,10 @@ from typing import Any
 from ..report import build_document, human_count, show_shape, show_value, step_rows
 from .explain_cmd import compile_unit
 
-#: Rows a section prints before summarising the rest as a count.
+#: Rows a section prints before summarising the rest as a count (the graphs share them fairly).
 MAX_ROWS = 20
+#: A changed value longer than this shows only the words that changed.
+LONG_VALUE = 48
 MISSING = "-"
 
 
@@ -29,44 +32,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the whole structured diff as JSON")
 
 
-def _knob_rows(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    yield "variant", show_value(doc["selection"]["variant"])
+#: A row of a section: (group, key, value); the graphs section groups its rows by graph, the others have one group.
+Row = tuple[str | None, str, str]
+
+
+def _knob_rows(doc: dict[str, Any]) -> Iterator[Row]:
+    yield None, "variant", show_value(doc["selection"]["variant"])
     for knob in doc["selection"]["knobs"]:
-        yield knob["name"], f"{show_value(knob['value'])} ({knob['source']})"
+        yield None, knob["name"], f"{show_value(knob['value'])} ({knob['source']})"
 
 
-def _parameter_rows(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _parameter_rows(doc: dict[str, Any]) -> Iterator[Row]:
     for module in doc["parameters"]["modules"]:
         for leaf in module["leaves"]:
-            yield leaf["path"], f"{show_shape(leaf['shape'])} {leaf['dtype']} {leaf['group']}"
+            yield None, leaf["path"], f"{show_shape(leaf['shape'])} {leaf['dtype']} {leaf['group']}"
 
 
-def _graph_rows(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _graph_rows(doc: dict[str, Any]) -> Iterator[Row]:
     for g in doc["graphs"]:
-        yield f"{g['name']} nodes", str(g["nodes"])
+        name = g["name"]
+        yield name, f"{name} nodes", str(g["nodes"])
         for o in g["ops"]:
-            yield f"{g['name']} {o['family']}", str(o["count"])
+            yield name, f"{name} {o['family']}", str(o["count"])
         for rank, t in enumerate(g["largest"], start=1):
             # The location is left out: two files put the same tensor at different lines.
             yield (
-                f"{g['name']} largest {rank}",
+                name, f"{name} largest {rank}",
                 f"{human_count(t['elements'])} {show_shape(t['shape'])} {t['dtype']} {t['op']}",
             )
 
 
-def _step_rows(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _step_rows(doc: dict[str, Any]) -> Iterator[Row]:
     for key, _, text in step_rows(doc):
-        yield key, text
+        yield None, key, text
 
 
-def _group_rows(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _group_rows(doc: dict[str, Any]) -> Iterator[Row]:
     for g in doc["groups"]:
         name = g["name"]
-        yield f"{name} optimizer", g["optimizer"]
-        yield f"{name} members", f"{g['params']} {'param' if g['params'] == 1 else 'params'}, {human_count(g['elements'])}"
+        yield None, f"{name} optimizer", g["optimizer"]
+        yield None, f"{name} members", f"{g['params']} {'param' if g['params'] == 1 else 'params'}, {human_count(g['elements'])}"
         states = ", ".join(s["name"] for s in g["states"]) or "none"
-        yield f"{name} states", f"{states} {human_count(g['state_elements'])}"
-        yield f"{name} constants", ", ".join(show_value(c) for c in g["constants"]) or "none"
+        yield None, f"{name} states", f"{states} {human_count(g['state_elements'])}"
+        yield None, f"{name} constants", ", ".join(show_value(c) for c in g["constants"]) or "none"
 
 
 SECTIONS = (
@@ -77,17 +85,47 @@ SECTIONS = (
     ("optimizer groups", _group_rows),
 )
 
+#: The graphs that vary the train graph: a row of theirs that changed exactly as train's did is train's news.
+TRAIN_VARIANTS = ("train_accumulating", "train_stacked", "train_diagnosed")
+
 
 def diff_documents(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each section's differing rows, `{"key", "a", "b"}` with None for a side that lacks the key."""
+    """Each section's differing rows, `{"key", "a", "b", "group"}` with None for a side that lacks the key.
+
+    `group` (the graph a graphs row belongs to, else None) is for the text's fair share of rows; the
+    JSON document leaves it out. A row of a train variant (train accumulating, stacked, diagnosed)
+    whose two values are exactly train's row's is left out: it repeats train's change.
+    """
+    variants = {g["name"] for doc in (a, b) for g in doc["graphs"] if g["kind"] in TRAIN_VARIANTS}
     sections = []
     for name, rows_of in SECTIONS:
-        rows_a, rows_b = dict(rows_of(a)), dict(rows_of(b))
+        rows_a = {key: (group, value) for group, key, value in rows_of(a)}
+        rows_b = {key: (group, value) for group, key, value in rows_of(b)}
         keys = list(rows_a) + [k for k in rows_b if k not in rows_a]
-        rows = [{"key": k, "a": rows_a.get(k), "b": rows_b.get(k)} for k in keys if rows_a.get(k) != rows_b.get(k)]
+        rows = []
+        for k in keys:
+            group = (rows_a.get(k) or rows_b[k])[0]
+            va, vb = rows_a.get(k, (None, None))[1], rows_b.get(k, (None, None))[1]
+            if va != vb:
+                rows.append({"key": k, "a": va, "b": vb, "group": group})
+        by_key = {row["key"]: row for row in rows}
+        rows = [row for row in rows if not _repeats_train(row, variants, by_key)]
         if rows:
             sections.append({"name": name, "rows": rows})
     return sections
+
+
+def _repeats_train(row: dict[str, Any], variants: set[str], by_key: dict[str, dict[str, Any]]) -> bool:
+    group = row["group"]
+    if group not in variants:
+        return False
+    train = by_key.get("train" + row["key"][len(group):])
+    return train is not None and (train["a"], train["b"]) == (row["a"], row["b"])
+
+
+def public(sections: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sections as the JSON document has them (`sexpgpu/schemas/diff.schema.json`)."""
+    return [{"name": s["name"], "rows": [{k: r[k] for k in ("key", "a", "b")} for r in s["rows"]]} for s in sections]
 
 
 def describe(file: str, variant: str | None, sets: list[str]) -> str:
@@ -96,18 +134,75 @@ def describe(file: str, variant: str | None, sets: list[str]) -> str:
     return " ".join(words)
 
 
+def condense(a: str, b: str) -> tuple[str, str]:
+    """Two long texts as the words that differ, each with a word of context, and `…` for the rest.
+
+    `<= 106.5 MiB for one microbatch, … parameters 12.7 MiB …` against the same
+    sentence with other numbers reads `<= 106.5 MiB … parameters 12.7 MiB and
+    gradients 12.7 MiB besides` and `<= 20.9 MiB … parameters 2.6 MiB …`.
+    """
+    words_a, words_b = a.split(" "), b.split(" ")
+    out_a: list[str] = []
+    out_b: list[str] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=words_a, b=words_b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            out_a += words_a[i1:i2]
+            out_b += words_b[j1:j2]
+            continue
+        run = words_a[i1:i2]
+        head = 0 if i1 == 0 else 1  # a word of context after the difference before
+        tail = 0 if i2 == len(words_a) else 1  # and before the one after
+        if len(run) - head - tail >= 2:
+            run = [*run[:head], "…", *run[len(run) - tail :]]
+        out_a += run
+        out_b += run
+    return " ".join(out_a), " ".join(out_b)
+
+
+def _fair_share(rows: list[dict[str, Any]], cap: int) -> dict[Any, int]:
+    """How many rows of each group to show: one of each in turn until `cap` are taken."""
+    sizes: dict[Any, int] = {}
+    for row in rows:
+        sizes[row.get("group")] = sizes.get(row.get("group"), 0) + 1
+    shown = dict.fromkeys(sizes, 0)
+    left = cap
+    while left > 0 and any(shown[g] < sizes[g] for g in sizes):
+        for group in sizes:
+            if left > 0 and shown[group] < sizes[group]:
+                shown[group] += 1
+                left -= 1
+    return shown
+
+
 def render_diff(diff: dict[str, Any]) -> str:
+    """The text: each section's rows (each group's fair share of MAX_ROWS), long values condensed."""
     lines = [f"a  {diff['a']}", f"b  {diff['b']}", ""]
     if not diff["sections"]:
         return "\n".join([*lines, "identical"]) + "\n"
     for section in diff["sections"]:
         rows = section["rows"]
-        shown = [[r["key"], r["a"] or MISSING, r["b"] or MISSING] for r in rows[:MAX_ROWS]]
-        widths = [max(len(row[c]) for row in shown) for c in range(2)]
+        quota = _fair_share(rows, MAX_ROWS)
+        taken = dict.fromkeys(quota, 0)
+        table: list[list[str] | str] = []
+        for row in rows:
+            group = row.get("group")
+            taken[group] += 1
+            if taken[group] <= quota[group]:
+                va, vb = row["a"] or MISSING, row["b"] or MISSING
+                if row["a"] and row["b"] and max(len(va), len(vb)) > LONG_VALUE:
+                    va, vb = condense(va, vb)
+                table.append([row["key"], va, vb])
+            if taken[group] == quota[group] + 1 and group is not None:
+                hidden = sum(1 for r in rows if r.get("group") == group) - quota[group]
+                table.append(f"  … and {hidden} more {group} {'row' if hidden == 1 else 'rows'}")
+        cells = [row for row in table if isinstance(row, list)]
+        widths = [max(len(row[c]) for row in cells) for c in range(2)]
         lines.append(section["name"])
-        lines += [f"  {k.ljust(widths[0])}  {va.ljust(widths[1])}  {vb}" for k, va, vb in shown]
-        if len(rows) > MAX_ROWS:
-            lines.append(f"  … and {len(rows) - MAX_ROWS} more")
+        lines += [row if isinstance(row, str) else f"  {row[0].ljust(widths[0])}  {row[1].ljust(widths[1])}  {row[2]}"
+                  for row in table]
+        hidden = len(rows) - sum(quota.values())
+        if hidden and None in quota:
+            lines.append(f"  … and {hidden} more")
         lines.append("")
     return "\n".join(lines)
 
@@ -125,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "sections": sections,
     }
     if args.json:
-        sys.stdout.write(json.dumps(diff, indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(json.dumps({**diff, "sections": public(sections)}, indent=2, ensure_ascii=False) + "\n")
     else:
         sys.stdout.write(render_diff(diff))
     return 0

@@ -13,6 +13,7 @@ Exit status: 0 success, 1 diagnostics, 2 usage, 3 internal error.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import os
 import re
@@ -78,14 +79,23 @@ def list_passes() -> str:
     return "".join(f"  {name:<{width}}  {PASSES[name].summary}\n" for name in sorted(PASSES))
 
 
-def read_input(path: str) -> str:
+def read_input(path: str, shown: str) -> str:
+    """The text of the input file (`-`: standard input), remembered as the source of `shown`.
+
+    Bytes that are not UTF-8 are a located error.
+    """
+    from ..frontend.reader import decode_source, read_source_bytes
+
     if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = read_source_bytes(path)
+        except OSError as err:
+            raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+    text = decode_source(data, shown)
+    remember_source(shown, text, hashlib.sha256(data).hexdigest())
+    return text
 
 
 def split_chunks(text: str, is_sx: bool) -> list[str]:
@@ -218,8 +228,7 @@ class Opt:
             return 0
         self.check_pass_names()
         path = "<stdin>" if args.file == "-" else args.file
-        text = read_input(args.file)
-        remember_source(path, text)
+        text = read_input(args.file, path)
         is_sx = path.endswith(".sx")
         chunks = split_chunks(text, is_sx) if args.split_input_file else [text]
         outputs, status = [], 0

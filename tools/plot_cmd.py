@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..backends.events import read_events
-from ..diagnostics import SxError, display_path
+from ..diagnostics import SxError, UsageError, display_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,8 +72,12 @@ def plot(run_dir: Path, output: Path) -> Path:
     axes[-1, 0].set_xlabel("step")
     figure.suptitle(display_path(str(run_dir)))
     figure.tight_layout()
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
+    try:
+        figure.savefig(output, dpi=100)
+    except OSError as err:
+        raise UsageError(f"cannot write {display_path(str(output))}: {err.strerror or err}") from None
+    finally:
+        plt.close(figure)
     return output
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from ...diagnostics import SxError
 from ...dialects.core import Operation
 from ...dialects.rewriting import clone_op
 from ...passes.lower_cpu import lower_func
@@ -31,7 +32,17 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
     """
     if func.name != "graph.func":
         raise ValueError(f"compile_graph needs a graph.func, got {func.name}")
+    _check_shapes(func)
     policy = DtypePolicy(float_mode)
     lowered = clone_op(func)
     lower_func(lowered, float_mode)
     return build_steps(lowered, policy)
+
+
+def _check_shapes(func: Operation) -> None:
+    """A negative dimension (a shape the frontend let through) is an error at the form that made it,
+    not numpy's failure in the middle of a step."""
+    for op in func.body.ops:
+        for result in op.results:
+            if any(d < 0 for d in result.type.shape):
+                raise SxError(f"the result of {op.name} has a negative dimension: {list(result.type.shape)}", op.loc)

@@ -34,6 +34,7 @@ from ...dialects.core import Operation, Value
 from ...dialects.graph import emit_collection
 from ...dialects.liveness import ArenaPlan, StorageLiveness
 from ...dialects.traits import Trait, ops_with
+from ..memory import format_bytes, out_of_memory
 from .compiled_graph import CompiledGraph, InputSpec, Registers, Step
 from .dtypes import DtypePolicy
 from .kernels import constant_value, kernel_for
@@ -63,8 +64,18 @@ class _Buffers:
             return None
         array = self.arrays.get(buffer.index)
         if array is None:
-            array = self.arrays[buffer.index] = np.empty(shape, storage)
+            array = self.arrays[buffer.index] = self._allocate(shape, storage, value)
         return array
+
+    def _allocate(self, shape: tuple[int, ...], storage: np.dtype, value: Value) -> np.ndarray:
+        try:
+            return np.empty(shape, storage)
+        except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
+            held = sum(array.nbytes for array in self.arrays.values())
+            raise out_of_memory(
+                f"the {list(shape)} {storage.name} result of {value.op.name}", math.prod(shape) * storage.itemsize,
+                value.op.loc, f", after {format_bytes(held)} of the graph's other buffers",
+            ) from None
 
 
 def build_steps(func: Operation, policy: DtypePolicy) -> CompiledGraph:

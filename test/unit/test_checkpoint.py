@@ -82,6 +82,11 @@ def test_resume_from_nothing_says_so(tmp_path):
         resolve_checkpoint(tmp_path / "missing")
     with pytest.raises(SxError, match="holds no checkpoint"):
         resolve_checkpoint(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "fifo", tmp_path / "file"):
+        with pytest.raises(SxError, match=f"cannot resume from {path}: it is not a directory"):
+            resolve_checkpoint(path)
 
 
 def test_killed_writer_leaves_the_previous_checkpoint_loadable(tmp_path):

@@ -152,6 +152,21 @@ def test_experiment_errors(tmp_path, body, message):
         evaluate(experiment_file(tmp_path, body))
 
 
+@pytest.mark.parametrize(
+    ("sets", "message", "where"),
+    [
+        (["layers=2147483648"], r"sub-list blocks: 2147483648 submodules is more than a list may have \(16384\)",
+         "model.sx:30"),
+        (["width=1000000000"], r"shape \[1000000000 3000000000\] has 3000000000000000000 elements, more than a "
+                               r"parameter may have", "model.sx:4"),
+    ],
+)
+def test_absurd_knobs_stop_with_an_error_at_the_form(sets, message, where):
+    with pytest.raises(SxError, match=message) as err:
+        evaluate(GPT, sets=sets)
+    assert err.value.loc.short().endswith(where)
+
+
 def test_eval_prints_each_form():
     lines = eval_file_lines(GPT, variant="smoke")
     assert lines == [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,9 @@ def test_whole_pass_is_full_batches_from_the_start_and_leaves_position(tmp_path)
         (lambda p: (p / "t.u16").write_bytes(b""), "t.u16 is empty"),
         (lambda p: (p / "t.u16").write_bytes(b"abc"), "not a whole number of u16 tokens"),
         (lambda p: write_u16(p / "t.u16", range(9)), "too short for one batch of 2 windows of 5 tokens"),
+        (lambda p: (p / "t.u16").mkdir(), "cannot read t.u16: it is a directory, not a file"),
+        (lambda p: os.mkfifo(p / "t.u16"), "cannot read t.u16: it is a FIFO, not a file"),
+        (lambda p: (p / "t.u16").symlink_to("/dev/zero"), "cannot read t.u16: it is a character device, not a file"),
     ],
 )
 def test_bad_files_name_the_loader_and_the_file_at_the_defloader(tmp_path, setup, message):
@@ -141,6 +145,46 @@ def test_bad_files_name_the_loader_and_the_file_at_the_defloader(tmp_path, setup
     assert err.value.message.startswith("loader train-loader: ")
     assert message in err.value.message
     assert err.value.loc.line == 3
+
+
+def write_blobs(path: Path, labels=None) -> None:
+    np.savez(path, x=np.arange(24, dtype=np.float32).reshape(6, 4), y=np.arange(6) if labels is None else labels)
+
+
+BLOB_FIELDS = [{"name": "x", "shape": [4], "dtype": "f32"}, {"name": "y", "shape": [], "dtype": "i32"}]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "cannot read d.npz as numpy data"),
+        (lambda p: p.write_bytes(p.read_bytes()[:30]), "cannot read d.npz as numpy data"),
+        (lambda p: p.write_bytes(b"PK\x03\x04" + b"\0" * 40), "cannot read d.npz as numpy data"),
+        (lambda p: write_blobs(p, np.array(["a", "b", "c", "d", "e", "f"])),
+         r"d.npz: array y holds <U1 data \(text\); field y is i32, which takes numbers"),
+        (lambda p: write_blobs(p, np.array([1, 2, 3, 4, 5, 6], dtype=object)), "cannot read d.npz as numpy data"),
+        (lambda p: write_blobs(p, np.array(3)), "d.npz: array y is a single value"),
+    ],
+    ids=["truncated", "header-only", "bad-zip", "string-labels", "object-labels", "scalar"],
+)
+def test_damaged_or_non_numeric_npz_data_is_an_error_at_the_defloader(tmp_path, damage, message):
+    path = tmp_path / "d.npz"
+    write_blobs(path)
+    damage(path)
+    with pytest.raises(SxError, match=message) as err:
+        make_loader(tmp_path, {"kind": "npy-file", "path": "d.npz"}, fields=BLOB_FIELDS, batch=2)
+    assert err.value.message.startswith("loader train-loader: ") and err.value.loc.line == 3
+
+
+def test_string_records_in_an_npy_file_are_an_error(tmp_path):
+    np.save(tmp_path / "d.npy", np.array([["a", "b"], ["c", "d"]]))
+    with pytest.raises(SxError, match=r"d.npy: array x holds <U1 data \(text\); field x is f32"):
+        make_loader(tmp_path, {"kind": "npy-file", "path": "d.npy"}, fields=[BLOB_FIELDS[0] | {"shape": [2]}], batch=1)
+
+
+def test_synthetic_sources_are_bounded(tmp_path):
+    with pytest.raises(SxError, match="synthetic-tokens makes at most 16777216 tokens .* got :count 100000000000"):
+        make_loader(tmp_path, {"kind": "synthetic-tokens", "vocab": 16, "count": 10**11, "seed": 1})
 
 
 def test_token_id_outside_the_vocabulary_names_id_and_position(tmp_path):

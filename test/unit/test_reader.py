@@ -156,3 +156,63 @@ def test_skipping_is_linear_before_a_bad_character():
         read_text(text, "s.sx")
     assert time.process_time() - start < 5
     assert str(err.value.loc) == "s.sx:40002:4" and "unknown reader syntax '#q'" in err.value.message
+
+
+# -- files: what is read, and how -------------------------------------------------------------
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    from sexpgpu.frontend.reader import read_file
+
+    path = tmp_path / "bom.sx"
+    path.write_bytes(b"\xef\xbb\xbf(f 1)\n")
+    forms = read_file(str(path))
+    assert forms == [[Symbol("f"), 1]]
+    assert str(loc_of(forms[0])) == f"{path}:1:1"
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "byte"),
+    [
+        (b"(f 1)\n; caf\xe9\n", "2:6", "0xe9"),
+        (b"\xff(f)", "1:1", "0xff"),
+        ("(f \"héllo\" ".encode() + b"\xc3(", "1:12", "0xc3"),
+    ],
+)
+def test_bytes_that_are_not_utf8_are_an_error_at_the_bad_byte(tmp_path, data, where, byte):
+    from sexpgpu.frontend.reader import read_file
+
+    path = tmp_path / "latin.sx"
+    path.write_bytes(data)
+    with pytest.raises(SxError, match=f"the file is not UTF-8 text: byte {byte}") as err:
+        read_file(str(path))
+    assert str(err.value.loc) == f"{path}:{where}"
+
+
+def test_files_that_are_not_regular_files_are_refused_without_blocking(tmp_path):
+    import os
+
+    from sexpgpu.frontend.reader import read_file
+
+    fifo = tmp_path / "pipe.sx"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory"), ("/dev/zero", "a character device")):
+        with pytest.raises(SxError, match=f"cannot read '{path}': it is {kind}, not a file"):
+            read_file(str(path))
+
+
+def test_an_integer_literal_over_the_digit_limit_is_an_error_at_it():
+    from sexpgpu.frontend.reader import MAX_INT_DIGITS
+
+    assert read_text("1" * MAX_INT_DIGITS)[0] == int("1" * MAX_INT_DIGITS)
+    for reader in (read_text, parse_with_lark):
+        with pytest.raises(SxError, match=f"integer literal of {MAX_INT_DIGITS + 1} digits is too long") as err:
+            reader("(f\n  " + "9" * (MAX_INT_DIGITS + 1) + ")", "big.sx")
+        assert (err.value.loc.line, err.value.loc.col) == (2, 3)
+
+
+def test_long_strings_and_comments_with_escapes_read_whole():
+    body = "ab\\n\\\"c" * 10000
+    forms = read_text('#| a | b |# (s "' + body + '") #| x |#', "s.sx")
+    assert forms[0][1] == "ab\n\"c" * 10000
+    assert read_text('"' + "x" * 100000 + '"')[0] == "x" * 100000

@@ -177,7 +177,8 @@ def test_text_sections_in_order():
     heads = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert heads == [
         "tiny.sx: 3 parameters, 10 steps, precision f32  (sexpgpu-frontend 0.1.0)",
-        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights", "graphs:", "training step:",
+        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights",
+        "graphs: 6 (an optimizer group's update graphs in one row)", "training step:",
         "diagnostics:", "precision:", report.DEVICE_HOLE,
     ]
     assert "  records          3 microbatches of 2 = 6 per step, 10 steps" in text
@@ -212,6 +213,24 @@ def test_selection_columns_align():
         "  hidden   8           variant",
         "  seed     1           default",
     ]
+
+
+def test_every_graph_lists_its_ten_largest_tensors():
+    text = report.render_text(tiny_document())
+    graphs = text[text.index("graphs:"):text.index("training step:")]
+    evaluation = graphs[graphs.index("  eval  "):graphs.index("  update ")]
+    rows = [line for line in evaluation.splitlines() if line.startswith("      ")]
+    assert len(rows) == len(tiny_document()["graphs"][2]["largest"]) == 10
+    assert "largest tensors: as train" in graphs  # train diagnosed's ten are train's
+
+
+def test_nonfinite_constants_sort_where_they_belong():
+    module = tiny_experiment()
+    group = next(op for op in module.body.ops if op.name == "exp.group")
+    group.attributes["constants"] = [float("nan"), 2.0, float("inf"), float("-inf"), 0.5]
+    doc = report.build_document(module, copy.deepcopy(FACTS), "tiny.sx")
+    assert doc["groups"][0]["constants"] == ["-inf", 0.5, 2.0, "inf", "nan"]
+    assert "constants -inf, 0.5, 2, inf, nan" in report.render_text(doc)
 
 
 @pytest.mark.parametrize(
@@ -314,6 +333,12 @@ def _diff(a: dict[str, Any], b: dict[str, Any], b_sets: list[str]) -> dict[str, 
             "sections": sections}
 
 
+def _public(diff: dict[str, Any]) -> dict[str, Any]:
+    from sexpgpu.tools.diff_cmd import public
+
+    return {**diff, "sections": public(diff["sections"])}
+
+
 def test_diff_of_a_document_with_itself_is_identical():
     from sexpgpu.tools.diff_cmd import render_diff
 
@@ -325,7 +350,7 @@ def test_diff_of_a_knob_shows_the_knob_row_and_the_constant_rows():
     from sexpgpu.tools.diff_cmd import render_diff
 
     diff = _diff(tiny_document(), tiny_document(lr=0.25, lr_source="set"), ["lr=0.25"])
-    jsonschema.validate(diff, json.loads((SCHEMAS / "diff.schema.json").read_text()))
+    jsonschema.validate(_public(diff), json.loads((SCHEMAS / "diff.schema.json").read_text()))
     assert render_diff(diff) == (
         "a  tiny.sx\n"
         "b  tiny.sx --set lr=0.25\n"
@@ -340,7 +365,7 @@ def test_diff_of_a_knob_shows_the_knob_row_and_the_constant_rows():
 
 
 def test_diff_of_one_more_layer_shows_parameter_and_node_count_rows():
-    diff = _diff(tiny_document(), tiny_document(extra_layer=True), [])
+    diff = _public(_diff(tiny_document(), tiny_document(extra_layer=True), []))
     sections = {s["name"]: s["rows"] for s in diff["sections"]}
     assert sections["parameters"] == [{"key": "model.extra.weight", "a": None, "b": "[3, 3] f32 default"}]
     graphs = {r["key"]: (r["a"], r["b"]) for r in sections["graphs"]}
@@ -361,6 +386,47 @@ def test_diff_sections_over_twenty_rows_print_twenty_and_a_count():
     assert lines[4] == "  model.p0   -  [1] f32 default"
     assert lines[24] == "  … and 12 more"
     assert len(lines) == 25
+
+
+def test_diff_shares_the_twenty_rows_fairly_among_graphs():
+    from sexpgpu.tools.diff_cmd import render_diff
+
+    rows = [{"key": f"{g} largest {i}", "a": "1", "b": "2", "group": g} for g, n in (("train", 30), ("eval", 5),
+                                                                                   ("update default", 12)) for i in range(n)]
+    text = render_diff({"a": "x.sx", "b": "y.sx", "identical": False, "sections": [{"name": "graphs", "rows": rows}]})
+    lines = text.splitlines()[4:]
+    assert sum(1 for line in lines if " largest " in line) == 20
+    assert "  … and 22 more train rows" in lines and "  … and 5 more update default rows" in lines
+    assert not any("more eval" in line for line in lines)
+    assert lines.index("  … and 22 more train rows") == 8  # train's 8 rows, then its count, then eval's
+
+
+def test_diff_leaves_out_train_variant_rows_that_repeat_trains():
+    from sexpgpu.tools.diff_cmd import diff_documents
+
+    def with_variant(doc: dict[str, Any], nodes: int) -> dict[str, Any]:
+        variant = copy.deepcopy(doc["graphs"][0]) | {"name": "train accumulating", "kind": "train_accumulating",
+                                                       "nodes": nodes}
+        doc["graphs"].insert(1, variant)
+        return doc
+
+    a = with_variant(tiny_document(), 100)
+    b = with_variant(tiny_document(extra_layer=True), 120)
+    keys = [r["key"] for s in diff_documents(a, b) if s["name"] == "graphs" for r in s["rows"]]
+    assert "train input" in keys and "train accumulating input" not in keys
+    assert "train accumulating nodes" in keys  # 100 -> 120 is not train's 15 -> 16
+
+
+def test_diff_condenses_a_long_changed_value_to_what_changed():
+    from sexpgpu.tools.diff_cmd import condense
+
+    peak = "<= {} MiB for one microbatch, an upper bound: nothing reused in place; parameters {} MiB and gradients {} MiB besides"
+    assert condense(peak.format(106.5, 12.7, 12.7), peak.format(20.9, 2.6, 2.6)) == (
+        "<= 106.5 MiB … parameters 12.7 MiB and gradients 12.7 MiB besides",
+        "<= 20.9 MiB … parameters 2.6 MiB and gradients 2.6 MiB besides",
+    )
+    assert condense("a b c d e f g", "a b c d e f h") == ("… f g", "… f h")
+    assert condense("x a b c d", "y a b c d") == ("x a …", "y a …")
 
 
 # -- the examples, compiled -------------------------------------------------------------------

@@ -5,7 +5,7 @@ from sexpgpu.frontend.data import Symbol
 from sexpgpu.frontend.evaluator import Evaluator
 from sexpgpu.frontend.selection import Knob, Selection, Variant, parse_set_value
 
-from sexpgpu.diagnostics import SxError
+from sexpgpu.diagnostics import SxError, UsageError
 
 FILE = """
 (defknobs
@@ -51,14 +51,20 @@ def test_set_parses_by_the_defaults_type():
             parse_set_value(knob, text)
 
 
-def test_unknown_knob_suggests_the_nearest(tmp_path):
-    with pytest.raises(SxError, match="unknown knob 'layer'; did you mean 'layers'"):
+def test_unknown_knob_is_a_command_line_error_suggesting_the_nearest(tmp_path):
+    with pytest.raises(UsageError, match="unknown knob 'layer'; did you mean 'layers'"):
         evaluate(tmp_path, sets=["layer=2"])
 
 
-def test_unknown_variant_lists_the_known_ones(tmp_path):
-    with pytest.raises(SxError, match=r"unknown variant 'tiny' \(variants: small\)"):
+def test_unknown_variant_is_a_command_line_error_listing_the_known_ones(tmp_path):
+    with pytest.raises(UsageError, match=r"unknown variant 'tiny' \(variants: small\)"):
         evaluate(tmp_path, "tiny")
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e999"])
+def test_a_float_knob_set_from_the_command_line_is_finite(text):
+    with pytest.raises(SxError, match=f"--set lr={text}: knob 'lr' takes a finite float"):
+        parse_set_value(Knob("lr", 0.5, None, None), text)
 
 
 def test_variant_values_are_checked_against_the_knobs():
@@ -70,7 +76,7 @@ def test_variant_values_are_checked_against_the_knobs():
         selection.check_variant(Variant("v", {"layer": 2}, None))
 
 
-def test_selection_flags_without_knobs_are_errors():
+def test_selection_flags_without_knobs_are_command_line_errors():
     selection = Selection(variant="smoke")
-    with pytest.raises(SxError, match="unknown variant 'smoke'"):
+    with pytest.raises(UsageError, match="unknown variant 'smoke'"):
         selection.check_command_line()

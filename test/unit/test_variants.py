@@ -63,6 +63,16 @@ def test_accumulating_adds_fresh_gradients_into_the_previous_ones():
         np.testing.assert_allclose(out[name], previous[name] + fresh[name], rtol=1e-6)
 
 
+@pytest.mark.parametrize(("microbatches", "built"), [(1, False), (2, True)])
+def test_accumulating_is_built_only_for_runs_of_several_microbatches(microbatches, built):
+    run = Operation.create("exp.run", attributes={"steps": 1, "loader": "data", "microbatches": microbatches,
+                                                  "precision": "f32", "seed": 0})
+    module = differentiated_module(run)
+    run_pipeline(CompilationUnit(module=module), "accumulate")
+    kinds = [op.attributes["kind"] for op in module.body.ops if op.name == "graph.func"]
+    assert ("train_accumulating" in kinds) == built
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_stacked_sums_gradients_and_averages_loss_and_metrics(k):
     module = differentiated_module()
