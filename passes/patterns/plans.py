@@ -1,0 +1,322 @@
+"""Finding a graph's matches, and deciding which become kernel launches and why the others fall back.
+
+Seeds are the graph's reductions along one axis, in block order. A seed grows
+a region (`regions.grow`) that is matched first against the forward families;
+failing those, against the backward of each forward region whose values it
+reads. The values of forward regions are free for later regions (a backward
+reads its forward's), and a forward whose intermediate values are read
+outside it also seeds a backward region from those readers (a loss written
+without the max shift has no reduction in its backward). A seed inside a
+matched slice is not grown again.
+
+A match is taken when its kernel can stand for its slice:
+
+- its rows are along the last axis, its operands' dtypes are ones the
+  templates store (f32 or bf16, integer targets i32 or i64), its row count
+  fits a launch;
+- no emit (`graph.observe`, `graph.metric`) reads a value inside the slice
+  other than one the kernel writes;
+- every other value of the slice read outside it is one the kernel writes,
+  once the other taken matches are replaced (a forward's intermediates that
+  only its backward reads die with the backward's replacement);
+- a backward whose forward falls back still needs the forward's outputs its
+  kernel reads (a softmax's y, a layernorm's mean and rstd) as graph values.
+
+Otherwise the match *falls back*, with its reason, and its ops are left to
+`fuse`. Dropping one match may expose another's values, so the decision is
+made to a fixpoint.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from attrs import define, field
+
+from ...diagnostics import Location
+from ...dialects.core import REGISTRY, Block, Operation, Value
+from ...dialects.traits import Trait, has_trait
+from ..emit_cuda.pattern_kernels import FLOAT_STORAGE, INDEX_STORAGE, PatternKernel
+from .domain import is_float_cast, seed_domain
+from .families import Match
+from .memo import MatchCache
+from .regions import Region, grow
+
+#: A launch's row count is a 32-bit int.
+MAX_ROWS = 2**31 - 1
+#: The kernel outputs a caller may read directly (the rest are statistics).
+DATA_OUTPUTS = ("y", "dx", "dlogits")
+
+
+def find_matches(block: Block, cache: MatchCache) -> list[Match]:
+    """The matches of the reductions of `block`, forwards and backwards, in the order they were found."""
+    order = {op: i for i, op in enumerate(block.ops)}
+    matches: list[Match] = []
+    forward_of: dict[Value, Match] = {}
+    claimed: set[Operation] = set()
+    tried: set[Operation] = set()
+
+    def free(value: Value) -> bool:
+        return value in forward_of
+
+    def confirm(match: Match | None) -> bool:
+        if match is None or claimed.intersection(match.slice):
+            return False
+        matches.append(match)
+        claimed.update(match.slice)
+        if match.direction == "forward":
+            for value in [*match.region.values, *match.region.leaves]:
+                forward_of.setdefault(value, match)
+        return True
+
+    for op in block.ops:
+        if op in tried or op in claimed:
+            continue
+        domain = seed_domain(op)
+        if domain is None:
+            continue
+        region = grow([op], domain, order, free)
+        if region is None:
+            continue
+        if confirm(cache.forward(region)):
+            tried.update(matches[-1].slice)
+            continue
+        tried.update(region.ops)
+        confirm(_backward(region, forward_of, cache))
+    for forward in [m for m in matches if m.direction == "forward"]:
+        readers = _readers_outside(forward, claimed, order)
+        if readers:
+            region = grow(readers, forward.region.domain, order, free)
+            if region is not None:
+                confirm(_backward(region, forward_of, cache))
+    return matches
+
+
+def _backward(region: Region, forward_of: dict[Value, Match], cache: MatchCache) -> Match | None:
+    forwards = list(dict.fromkeys(forward_of[v] for v in region.free))
+    best = None
+    for forward in forwards:
+        if forward.region.domain != region.domain:
+            continue
+        match = cache.backward(region, forward)
+        if match is not None and (best is None or match.score > best.score):
+            best = match
+    return best
+
+
+def _readers_outside(match: Match, claimed: set[Operation], order: dict[Operation, int]) -> list[Operation]:
+    """Ops outside every match that read a value of `match`'s slice it does not write."""
+    outputs = match.output_values()
+    readers: dict[Operation, None] = {}
+    for op in match.slice:
+        if op.result in outputs:
+            continue
+        for user in op.result.users():
+            if user not in claimed and user in order and user not in match.region.op_set:
+                readers[user] = None
+    return sorted(readers, key=order.__getitem__)
+
+
+# --- decisions ----------------------------------------------------------------------------------------------
+
+@define(eq=False)
+class Plan:
+    """A match and its kernel: taken (`reason` None) or fallen back."""
+
+    match: Match
+    path: str
+    loc: Location | None
+    reason: str | None = None
+    #: Template operand name -> the graph value it reads (filled when the plan is taken).
+    options: dict[str, Any] = field(factory=dict)
+
+    @property
+    def taken(self) -> bool:
+        return self.reason is None
+
+    @property
+    def family(self) -> str:
+        match = self.match
+        if match.family == "cross_entropy":
+            return f"cross_entropy_{match.direction}"
+        return match.family
+
+    def kernel(self) -> PatternKernel:
+        match = self.match
+        cols = match.region.domain.cols
+        if match.family == "cross_entropy":
+            return PatternKernel("cross_entropy", match.direction, cols, self.options)
+        return PatternKernel("row", match.family, cols, self.options)
+
+
+def plan_matches(block: Block, matches: list[Match]) -> list[Plan]:
+    """A plan per match, taken or fallen back with its reason (see the module docstring)."""
+    plans = [Plan(m, region_path(m), _loc(m)) for m in matches]
+    by_match = {plan.match: plan for plan in plans}
+    for plan in plans:
+        plan.reason = _static_reason(plan.match)
+    while True:
+        removed = {op for plan in plans if plan.taken for op in plan.match.slice}
+        doomed = _doomed(block, removed)
+        changed = False
+        for plan in plans:
+            if not plan.taken:
+                continue
+            reason = _exposure(plan.match, doomed)
+            if reason is None and plan.match.forward is not None:
+                reason = _missing_stats(plan.match, by_match[plan.match.forward])
+            if reason is not None:
+                plan.reason = reason
+                changed = True
+        if not changed:
+            break
+    for plan in plans:
+        plan.options = _options(plan, plans, doomed)
+    return plans
+
+
+def region_path(match: Match) -> str:
+    """The model path of the region: its ops' most common `path`, else its forward's, else its input's."""
+    paths = Counter(op.attributes["path"] for op in match.slice if "path" in op.attributes)
+    if paths:
+        return paths.most_common(1)[0][0]
+    if match.forward is not None:
+        return region_path(match.forward)
+    x = match.inputs.get("x")
+    if x is not None and x.op is not None and "path" in x.op.attributes:
+        return x.op.attributes["path"]
+    return ""
+
+
+def _loc(match: Match) -> Location | None:
+    return next((op.loc for op in match.slice if op.loc is not None), None)
+
+
+def _static_reason(match: Match) -> str | None:
+    domain = match.region.domain
+    if not domain.is_last_axis:
+        return f"rows along axis {domain.axis} of {domain.rank}, not the last"
+    if domain.rows > MAX_ROWS:
+        return f"{domain.rows} rows, more than a launch's 32-bit row count"
+    for role, value in _graph_operands(match):
+        dtype = storage(value).type.dtype
+        allowed = INDEX_STORAGE if role == "targets" else FLOAT_STORAGE
+        if dtype not in allowed:
+            return f"dtype {dtype} of its {role} is not taken ({' or '.join(allowed)})"
+    return None
+
+
+def _graph_operands(match: Match) -> Iterable[tuple[str, Value]]:
+    for role, value in match.inputs.items():
+        yield role, value
+    for role, values in match.outputs.items():
+        yield role, values[0]
+
+
+def storage(value: Value) -> Value:
+    """A kernel reads a row input across a float cast from its source (insert-casts' boundary)."""
+    op = value.op
+    if op is not None and is_float_cast(op) and op.operands[0].type.dtype in FLOAT_STORAGE:
+        return op.operands[0]
+    return value
+
+
+def _doomed(block: Block, removed: set[Operation]) -> set[Operation]:
+    """The ops replaced, and the pure ops that only they (transitively) read."""
+    doomed = set(removed)
+    for op in block.reversed_ops():
+        if op in doomed or not op.results:
+            continue
+        opdef = REGISTRY.ops.get(op.name)
+        if opdef is None or not opdef.pure:
+            continue
+        if all(user in doomed for r in op.results for user in r.users()):
+            doomed.add(op)
+    return doomed
+
+
+def _exposure(match: Match, doomed: set[Operation]) -> str | None:
+    """Why a value inside the slice (one the kernel does not write) is read by an op that stays, else None."""
+    inside = set(match.slice)
+    outputs = match.output_values()
+    exposed = []
+    for op in match.slice:
+        value = op.result
+        if value in outputs:
+            continue
+        for user in value.users():
+            if user in inside or user in doomed:
+                continue
+            if has_trait(user, Trait.EMIT):
+                kind = "an observation" if user.name == "graph.observe" else f"a {user.name.removeprefix('graph.')}"
+                return f"{kind} ({user.attributes.get('name')}) reads a value inside the region"
+            exposed.append((op, user))
+    if not exposed:
+        return None
+    op, user = exposed[0]
+    where = f" at {op.loc.short()}" if op.loc is not None else ""
+    return f"{op.name}{where} is read outside the region ({user.name}) and the kernel does not write it"
+
+
+def _missing_stats(match: Match, forward: Plan) -> str | None:
+    """A backward whose forward falls back needs the forward's outputs it reads as values of the graph."""
+    if forward.taken:
+        return None
+    missing = [role for role in match.stats if not forward.match.outputs.get(role)]
+    if missing:
+        return f"its forward fell back, and no value holds the {' and '.join(missing)} its kernel reads"
+    return None
+
+
+def _options(plan: Plan, plans: list[Plan], doomed: set[Operation]) -> dict[str, Any]:
+    """The template options of the plan's kernel."""
+    match = plan.match
+    params = match.params
+    family = match.family
+    if family in ("layernorm", "rmsnorm"):
+        options = {"eps": float(params["eps"]), "weight": bool(params.get("weight"))}
+        if family == "layernorm":
+            options["bias"] = bool(params.get("bias"))
+        options["stats"] = _stats_needed(plan, plans, doomed)
+        return options
+    if family in ("layernorm_backward", "rmsnorm_backward"):
+        forward = match.forward.params
+        options = {"weight": bool(forward.get("weight"))}
+        if family == "layernorm_backward":
+            options["bias"] = bool(forward.get("bias"))
+        return options
+    if family == "cross_entropy" and match.direction == "forward":
+        return {"reduction": _reduction(match)[0]} if "loss" in match.outputs else {}
+    if family == "cross_entropy":
+        scale = float(params["scale"])
+        rows = match.region.domain.rows
+        if "dloss" not in match.inputs and abs(scale * rows - 1.0) <= 1e-9:
+            return {"grad": params["grad"], "scale": 1.0, "mean": True}
+        return {"grad": params["grad"], "scale": scale, "mean": False}
+    return {}
+
+
+def _reduction(match: Match) -> tuple[str, float]:
+    """The template's reduction of the losses (sum or mean) and the factor left over to multiply by."""
+    scale = float(match.params["scale"])
+    rows = match.region.domain.rows
+    if abs(scale - 1.0) <= 1e-9:
+        return "sum", 1.0
+    return "mean", 1.0 if abs(scale * rows - 1.0) <= 1e-9 else scale * rows
+
+
+def loss_factor(match: Match) -> float:
+    return _reduction(match)[1]
+
+
+def _stats_needed(plan: Plan, plans: list[Plan], doomed: set[Operation]) -> bool:
+    """A norm writes its mean and rstd when a taken backward reads them or a value equal to one is read."""
+    if any(p.taken and p.match.forward is plan.match for p in plans):
+        return True
+    for role in ("mean", "rstd"):
+        for value in plan.match.outputs.get(role, []):
+            if any(user not in doomed for user in value.users()):
+                return True
+    return False
