@@ -157,8 +157,9 @@ class _Search:
             self._pools[key] = (values, probes)
         return self._pools[key]
 
-    def equal(self, kind: Kind, wants: Sequence[np.ndarray], leaves: bool = True, free: bool = True) -> list[Value]:
-        """The values of `kind` equal to `wants[t]` on every trial t (a probe of a few elements first)."""
+    def equal(self, kind: Kind, wants: Sequence[np.ndarray], leaves: bool = False, free: bool = True) -> list[Value]:
+        """The values of `kind` equal to `wants[t]` on every trial t (a probe of a few elements first); region
+        values only unless `leaves` (a family's outputs are computed by the region)."""
         values, probes = self._pool(kind, leaves, free)
         if not values:
             return []
@@ -202,12 +203,12 @@ class _Search:
         solved = solved.reshape(1, -1)
         if close(solved, np.full_like(solved, identity)):
             return None
-        found = self.equal(Kind.COLUMN, [solved])
+        found = self.equal(Kind.COLUMN, [solved], leaves=True)
         return found[0] if found else False
 
     def _rows(self) -> tuple[list[Value], np.ndarray]:
         if "rows" not in self._pools:
-            values = self.values(Kind.ROW)
+            values = self.values(Kind.ROW, leaves=False)
             env = self.trials[0]
             self._pools["rows"] = (values, np.array([np.asarray(env[v], dtype=np.float64) for v in values]))
         return self._pools["rows"]
@@ -308,7 +309,7 @@ def _match_forward(region: Region) -> Match | None:
     for family, inputs, outputs, params in _forward_candidates(search):
         outputs = {role: values for role, values in outputs.items() if values}
         ops = search.slice([v for values in outputs.values() for v in values], set(inputs.values()) - {None})
-        if ops is None:
+        if not ops:
             continue
         match = Match(family, "forward", region, {r: v for r, v in inputs.items() if v is not None}, outputs,
                       params, ops, trials=search.trials)
@@ -361,7 +362,7 @@ def _forward_candidates(search: _Search) -> Iterator[tuple[str, dict, dict, dict
 def _scaled_totals(search: _Search, losses: Sequence[np.ndarray]) -> Iterator[tuple[float, list[Value]]]:
     """Whole values that are a constant multiple of the losses' sum over rows, grouped by that multiple."""
     groups: dict[float, list[Value]] = {}
-    for value in search.values(Kind.WHOLE):
+    for value in search.values(Kind.WHOLE, leaves=False):
         ratios = [float(env[value]) / float(total.sum()) for env, total in zip(search.trials, losses)]
         if not all(np.isfinite(ratios)) or ratios[0] == 0.0:
             continue
@@ -380,8 +381,8 @@ def match_backward(region: Region, forward: Match) -> Match | None:
 
 
 def _match_backward(region: Region, forward: Match) -> Match | None:
-    known = forward.region.op_set
-    forward_leaves = set(forward.region.leaves)
+    known = set(forward.slice)
+    forward_leaves = {v for op in forward.slice for v in op.operands}
     if not all((v.op is not None and v.op in known) or v in forward_leaves for v in region.free):
         return None
     family, stats = BACKWARD_OF[forward.family]
@@ -392,7 +393,7 @@ def _match_backward(region: Region, forward: Match) -> Match | None:
         outputs = {role: values for role, values in outputs.items() if values}
         accumulate = params.pop("accumulate", None)
         ops = search.slice([v for values in outputs.values() for v in values], {*inputs.values(), accumulate})
-        if ops is None:
+        if not ops:
             continue
         match = Match(family, "backward", region, inputs, outputs, params, ops, forward=forward, stats=stats,
                       accumulate=accumulate,
@@ -404,7 +405,8 @@ def _match_backward(region: Region, forward: Match) -> Match | None:
 
 def _backward_candidates(search: _Search, forward: Match, fx: list[np.ndarray]) -> Iterator[tuple[dict, dict, dict]]:
     family = forward.family
-    dys = search.values(Kind.ROW, free=False)
+    forward_slice = set(forward.slice)
+    dys = [v for v in search.values(Kind.ROW) if v.op not in forward_slice]
     if family in ("softmax", "log_softmax"):
         ys = [softmax(a) if family == "softmax" else log_softmax(a) for a in fx]
         for dy in dys:
@@ -448,7 +450,7 @@ def _cross_entropy_backward(search: _Search, forward: Match, fx: list[np.ndarray
     targets = [env[forward.inputs["targets"]] for env in forward.evaluated()]
     bases = [softmax(a) - one_hot(t, cols) for a, t in zip(fx, targets)]
     upstreams = (search.values(Kind.WHOLE, free=False), search.values(Kind.PER_ROW, free=False))
-    for value in search.values(Kind.ROW, free=False):
+    for value in search.values(Kind.ROW, leaves=False, free=False):
         ratios = [np.asarray(env[value], dtype=np.float64) / base for env, base in zip(search.trials, bases)]
         if not all(np.all(np.isfinite(r)) for r in ratios):
             continue
@@ -456,15 +458,16 @@ def _cross_entropy_backward(search: _Search, forward: Match, fx: list[np.ndarray
         if not all(close(r, np.broadcast_to(p, r.shape)) for r, p in zip(ratios, per_row)):
             continue
         uniform = all(close(p, np.broadcast_to(p[:1], p.shape)) for p in per_row)
+        if uniform:
+            scale = float(per_row[0][0, 0])
+            if all(abs(float(p[0, 0]) - scale) <= TOLERANCE * abs(scale) for p in per_row):
+                yield {}, {"dlogits": [value]}, {"grad": "scalar", "scale": scale}
+                continue
         for grad, pool in (("scalar", upstreams[0]), ("row", upstreams[1])):
             for upstream in pool:
                 scale = _constant_ratio(per_row, search.at(upstream))
                 if scale is not None:
                     yield {"dloss": upstream}, {"dlogits": [value]}, {"grad": grad, "scale": scale}
-        if uniform:
-            scale = float(per_row[0][0, 0])
-            if all(abs(float(p[0, 0]) - scale) <= TOLERANCE * abs(scale) for p in per_row):
-                yield {}, {"dlogits": [value]}, {"grad": "scalar", "scale": scale}
 
 
 def _constant_ratio(per_row: Sequence[np.ndarray], upstream: Sequence[np.ndarray | None]) -> float | None:

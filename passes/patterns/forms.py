@@ -117,7 +117,9 @@ def _exponentials(match: Match) -> list[str]:
     x = _array(match, match.inputs["x"])
     if match.family == "log_softmax" and _holds(match, Kind.ROW, softmax(x)) and _ops(match, "graph.log"):
         return ["log of softmax"]
-    for op in _ops(match, "graph.exp"):
+    outputs = match.output_values()
+    exps = sorted(_ops(match, "graph.exp"), key=lambda op: op.result not in outputs)  # the output's own first
+    for op in exps:
         if match.region.kind(op.result) is not Kind.ROW:
             continue
         shift = x - _array(match, op.operands[0])

@@ -67,7 +67,10 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
         matches.append(match)
         claimed.update(match.slice)
         if match.direction == "forward":
-            for value in [*match.region.values, *match.region.leaves]:
+            # The forward proper (its slice and what the slice reads) is free for its backward; the rest of its
+            # region (what was computed from its outputs: a loss, its gradient) may belong to the backward.
+            inside = {op.result for op in match.slice}
+            for value in [*inside, *(v for op in match.slice for v in op.operands if v not in inside)]:
                 forward_of.setdefault(value, match)
         return True
 
@@ -109,12 +112,13 @@ def _backward(region: Region, forward_of: dict[Value, Match], cache: MatchCache)
 def _readers_outside(match: Match, claimed: set[Operation], order: dict[Operation, int]) -> list[Operation]:
     """Ops outside every match that read a value of `match`'s slice it does not write."""
     outputs = match.output_values()
+    inside = set(match.slice)
     readers: dict[Operation, None] = {}
     for op in match.slice:
         if op.result in outputs:
             continue
         for user in op.result.users():
-            if user not in claimed and user in order and user not in match.region.op_set:
+            if user not in claimed and user in order and user not in inside:
                 readers[user] = None
     return sorted(readers, key=order.__getitem__)
 
@@ -292,7 +296,7 @@ def _options(plan: Plan, plans: list[Plan], doomed: set[Operation]) -> dict[str,
     if family == "cross_entropy":
         scale = float(params["scale"])
         rows = match.region.domain.rows
-        if "dloss" not in match.inputs and abs(scale * rows - 1.0) <= 1e-9:
+        if "dloss" not in match.inputs and _near(scale * rows, 1.0):
             return {"grad": params["grad"], "scale": 1.0, "mean": True}
         return {"grad": params["grad"], "scale": scale, "mean": False}
     return {}
@@ -302,9 +306,14 @@ def _reduction(match: Match) -> tuple[str, float]:
     """The template's reduction of the losses (sum or mean) and the factor left over to multiply by."""
     scale = float(match.params["scale"])
     rows = match.region.domain.rows
-    if abs(scale - 1.0) <= 1e-9:
+    if _near(scale, 1.0):
         return "sum", 1.0
-    return "mean", 1.0 if abs(scale * rows - 1.0) <= 1e-9 else scale * rows
+    return "mean", 1.0 if _near(scale * rows, 1.0) else scale * rows
+
+
+def _near(a: float, b: float) -> bool:
+    """Equal up to f32 rounding: a graph's constants (1/rows written as a literal) are f32."""
+    return abs(a - b) <= 1e-6 * abs(b)
 
 
 def loss_factor(match: Match) -> float:

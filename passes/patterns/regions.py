@@ -11,11 +11,11 @@ or the users of another region's values) and grows to a fixpoint:
   plumbing made of those (a broadcast of a weight, an iota, an `eq` of an
   iota with broadcast targets) which joins too. Growing downstream never
   takes a new row input: a residual add or a gradient stops it.
-- upstream: an input (a row or per-row value read from outside) whose every
-  reader is in the region is absorbed, its defining op joining, when that
-  does not add more than the one row input it replaces: `x * x` becomes `x`,
-  `exp(x)` becomes `x`, `neg(scatter(t, c))` becomes nothing, but
-  `add(a, b)` (two rows for one) stays outside.
+- upstream: an input (a row or per-row value read from outside) is absorbed,
+  its defining op joining, when that does not add more than the one row
+  input it replaces: `x * x` becomes `x`, `exp(x)` becomes `x`,
+  `neg(scatter(t, c))` becomes nothing, but `add(a, b)` (two rows for one)
+  stays outside.
 
 The region is generous on purpose: which of its values are the family's
 input and outputs is the math's to say (`families`), and the ops outside the
@@ -36,9 +36,8 @@ from .domain import Classified, Kind, OpClass, RowDomain, classify, is_index, sp
 
 #: A region stops growing beyond this many ops (a pathological graph must not make the pass slow).
 MAX_REGION_OPS = 600
-#: How deep leaf-like plumbing (broadcasts, views, iota compares) is followed.
-PLUMBING_DEPTH = 4
-PLUMBING_CLASSES = (OpClass.BROADCAST, OpClass.VIEW, OpClass.IOTA, OpClass.ELEMENTWISE)
+#: How deep plumbing made of leaf-like values (broadcasts of weights, iota compares, the forward's ties) is followed.
+PLUMBING_DEPTH = 5
 
 
 @define(eq=False)
@@ -153,7 +152,7 @@ class _Grower:
             return None
         known = lambda v: kind if v is value else self.known(v)  # noqa: E731
         classified = classify(op, self.domain, known)
-        if classified is None or classified.result_kind is not kind or classified.op_class not in PLUMBING_CLASSES:
+        if classified is None or classified.result_kind is not kind:
             return None
         plumbing = [(op, classified)]
         for operand, operand_kind in zip(op.operands, classified.operand_kinds):
@@ -220,13 +219,12 @@ class _Grower:
         return changed
 
     def absorb_upstream(self) -> bool:
-        """Absorb private inputs whose definer adds at most the one row input it replaces."""
+        """Absorb inputs whose definer adds at most the one row input it replaces (an input read elsewhere too
+        becomes a value of the region others read: whether that is allowed is for the match to say)."""
         changed = False
         for value in list(self.inputs):
             op = value.op
             if value not in self.inputs or op is None or op not in self.order or len(self.ops) >= MAX_REGION_OPS:
-                continue
-            if any(user not in self.ops for user in value.users()):
                 continue
             classified = classify(op, self.domain, self.known)
             if classified is None:
