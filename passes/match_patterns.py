@@ -47,7 +47,7 @@ from .patterns.domain import is_float_cast
 from .patterns.families import Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
-from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, storage
+from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
 from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 #: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
@@ -242,14 +242,16 @@ class _Launch:
                       "operands": [*input_names, *output_names], "inputs": in_types, "outputs": out_types,
                       "grid": list(shape.grid), "block": list(shape.block), "shared": shape.shared_bytes,
                       "path": plan.path}
-        main = next(n for n in (*input_names, *output_names) if n in ROW_OPERANDS)
-        stem = f"{plan.family}_{dtypes[main]}_{cols}{_variant(kernel.options)}"
+        data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
+        stem = f"{plan.family}_{data}_{cols}{_variant(kernel.options)}"
         symbol = self.owner.kernels.symbol(stem, attributes, match.slice[0].loc)
         self.owner.symbols[plan] = symbol
         operands = [self.reshaped(sources[name], t, anchor) for name, t in zip(input_names, in_types)]
         launch = Operation.create("kern.launch", operands, out_types,
                                   {"kernel": SymbolRef(symbol), "path": plan.path}, loc=match.slice[0].loc)
         self.owner.insert(self.rewriter, launch, anchor)
+        for value in plan.recomputed:
+            self.rewriter.replace_all_uses_with(value, self.recompute(value, anchor))
         results = dict(zip(output_names, launch.results))
         self.owner.outputs[match] = results
         for name, result in results.items():
@@ -257,6 +259,18 @@ class _Launch:
                 new = self.replacement(name, result, value, anchor, accumulate)
                 self.rewriter.replace_all_uses_with(value, new)
                 self.owner.replaced[value] = new
+
+    def recompute(self, value: Value, anchor: Operation) -> Value:
+        """A copy of the ops computing `value` from the kernel's inputs, for the readers outside the region."""
+        copies: dict[Value, Value] = {}
+        ops = recomputable(self.plan.match, value)
+        assert ops is not None
+        for op in ops:
+            operands = [copies.get(v, self.owner.current(v)) for v in op.operands]
+            copy = Operation.create(op.name, operands, [r.type for r in op.results], dict(op.attributes), loc=op.loc)
+            self.owner.insert(self.rewriter, copy, anchor)
+            copies[op.result] = copy.result
+        return copies[value]
 
     def source(self, name: str) -> Value:
         """The graph value a kernel input reads: the match's own, its forward's, or the forward's kernel output."""

@@ -154,14 +154,18 @@ def _pick(possible: frozenset[Kind], known: Kind | None) -> Kind | None:
     return next(iter(possible)) if len(possible) == 1 else None
 
 
-def classify(op: Operation, domain: RowDomain, known: KnownKind) -> Classified | None:
-    """What `op` does in `domain`, given the kinds already known of some values (None: nothing it does there)."""
+def classify(op: Operation, domain: RowDomain, known: KnownKind, casts: bool = False) -> Classified | None:
+    """What `op` does in `domain`, given the kinds already known of some values (None: nothing it does there).
+
+    A cast between float dtypes is a precision boundary: elementwise only when `casts` says the caller takes it
+    (a region absorbs the casts on its inputs, not those on its outputs).
+    """
     name = op.name
     if len(op.results) != 1:
         return None
     result = op.result
     if name in ELEMENTWISE_OPS:
-        return _elementwise(op, domain, known)
+        return None if is_float_cast(op) and not casts else _elementwise(op, domain, known)
     if name == "graph.broadcast":
         return _broadcast(op, domain, known)
     if name in VIEW_OPS:
@@ -193,8 +197,6 @@ def classify(op: Operation, domain: RowDomain, known: KnownKind) -> Classified |
 
 
 def _elementwise(op: Operation, domain: RowDomain, known: KnownKind) -> Classified | None:
-    if is_float_cast(op):
-        return None
     possible = domain.kinds_of_shape(op.result.type.shape)
     kinds = {k for k in (known(v) for v in op.operands) if k is not None}
     kinds |= {k for k in [known(op.result)] if k is not None}

@@ -18,7 +18,9 @@ A match is taken when its kernel can stand for its slice:
   other than one the kernel writes;
 - every other value of the slice read outside it is one the kernel writes,
   once the other taken matches are replaced (a forward's intermediates that
-  only its backward reads die with the backward's replacement);
+  only its backward reads die with the backward's replacement) — or one row
+  reduction of the kernel's inputs, recomputed for its readers (CSE shares
+  an accuracy metric's row maximum with a loss's);
 - a backward whose forward falls back still needs the forward's outputs its
   kernel reads (a softmax's y, a layernorm's mean and rstd) as graph values.
 
@@ -39,7 +41,7 @@ from ...diagnostics import Location
 from ...dialects.core import REGISTRY, Block, Operation, Value
 from ...dialects.traits import Trait, has_trait
 from ..emit_cuda.pattern_kernels import FLOAT_STORAGE, INDEX_STORAGE, PatternKernel
-from .domain import is_float_cast, seed_domain
+from .domain import VIEW_OPS, OpClass, is_float_cast, seed_domain, splat_value
 from .families import Match
 from .memo import MatchCache
 from .regions import Region, grow
@@ -133,8 +135,11 @@ class Plan:
     path: str
     loc: Location | None
     reason: str | None = None
-    #: Template operand name -> the graph value it reads (filled when the plan is taken).
+    #: The kernel's template options (eps, weight, stats, reduction, ...), once decided.
     options: dict[str, Any] = field(factory=dict)
+    #: Values inside the slice that others read and are recomputed for them (a row reduction of an input that
+    #: common-subexpression elimination shared with another computation, such as an accuracy's row maximum).
+    recomputed: list[Value] = field(factory=list)
 
     @property
     def taken(self) -> bool:
@@ -168,7 +173,7 @@ def plan_matches(block: Block, matches: list[Match]) -> list[Plan]:
         for plan in plans:
             if not plan.taken:
                 continue
-            reason = _exposure(plan.match, doomed)
+            reason = _exposure(plan, doomed)
             if reason is None and plan.match.forward is not None:
                 reason = _missing_stats(plan.match, by_match[plan.match.forward])
             if reason is not None:
@@ -188,9 +193,11 @@ def region_path(match: Match) -> str:
         return paths.most_common(1)[0][0]
     if match.forward is not None:
         return region_path(match.forward)
-    x = match.inputs.get("x")
-    if x is not None and x.op is not None and "path" in x.op.attributes:
-        return x.op.attributes["path"]
+    value = match.inputs.get("x")
+    while value is not None and value.op is not None:
+        if "path" in value.op.attributes:
+            return value.op.attributes["path"]
+        value = value.op.operands[0] if value.op.name in ("graph.cast", *VIEW_OPS) and value.op.operands else None
     return ""
 
 
@@ -241,27 +248,60 @@ def _doomed(block: Block, removed: set[Operation]) -> set[Operation]:
     return doomed
 
 
-def _exposure(match: Match, doomed: set[Operation]) -> str | None:
-    """Why a value inside the slice (one the kernel does not write) is read by an op that stays, else None."""
+def _exposure(plan: Plan, doomed: set[Operation]) -> str | None:
+    """Why a value inside the slice (one the kernel does not write) is read by an op that stays, else None.
+
+    A forward's value that is one row reduction of the kernel's inputs is recomputed for its readers instead.
+    """
+    match = plan.match
     inside = set(match.slice)
     outputs = match.output_values()
     exposed = []
+    plan.recomputed = []
     for op in match.slice:
         value = op.result
         if value in outputs:
             continue
-        for user in value.users():
-            if user in inside or user in doomed:
-                continue
+        readers = [user for user in value.users() if user not in inside and user not in doomed]
+        for user in readers:
             if has_trait(user, Trait.EMIT):
                 kind = "an observation" if user.name == "graph.observe" else f"a {user.name.removeprefix('graph.')}"
                 return f"{kind} ({user.attributes.get('name')}) reads a value inside the region"
-            exposed.append((op, user))
+        if readers and recomputable(match, value) is not None:
+            plan.recomputed.append(value)
+        elif readers:
+            exposed.append((op, readers[0]))
     if not exposed:
         return None
     op, user = exposed[0]
     where = f" at {op.loc.short()}" if op.loc is not None else ""
     return f"{op.name}{where} is read outside the region ({user.name}) and the kernel does not write it"
+
+
+def recomputable(match: Match, value: Value) -> list[Operation] | None:
+    """The slice ops computing `value` from the forward kernel's inputs and constants when they are one row
+    reduction (with views and broadcasts around it), else None."""
+    if match.direction != "forward":
+        return None
+    inputs = set(match.inputs.values())
+    inside = set(match.slice)
+    ops: list[Operation] = []
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if current in inputs or splat_value(current.op) is not None:
+            continue
+        op = current.op
+        if op is None or op not in inside:
+            return None
+        if op not in ops:
+            ops.append(op)
+            stack.extend(op.operands)
+    classes = [match.region.classes[op].op_class for op in ops]
+    reductions = sum(c is OpClass.REDUCE_ROW for c in classes)
+    if reductions != 1 or any(c not in (OpClass.REDUCE_ROW, OpClass.VIEW, OpClass.BROADCAST) for c in classes):
+        return None
+    return [op for op in match.slice if op in ops]
 
 
 def _missing_stats(match: Match, forward: Plan) -> str | None:

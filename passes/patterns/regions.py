@@ -19,8 +19,10 @@ or the users of another region's values) and grows to a fixpoint:
 
 The region is generous on purpose: which of its values are the family's
 input and outputs is the math's to say (`families`), and the ops outside the
-slice between them stay for `fuse`. Float casts are precision boundaries
-(insert-casts) and never join.
+slice between them stay for `fuse`. Float casts (insert-casts' precision
+boundaries) join on the inputs' side only — a cast absorbed upstream, a cast
+of an input, a cast in plumbing — so a kernel reads a bf16 input as bf16,
+while the casts of its outputs stay outside for the rewrite to absorb.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class _Grower:
         if op is None or depth >= PLUMBING_DEPTH or op.parent is None or op not in self.order:
             return None
         known = lambda v: kind if v is value else self.known(v)  # noqa: E731
-        classified = classify(op, self.domain, known)
+        classified = classify(op, self.domain, known, casts=True)
         if classified is None or classified.result_kind is not kind:
             return None
         plumbing = [(op, classified)]
@@ -166,7 +168,7 @@ class _Grower:
         """Add `op` (with the plumbing it needs) when the domain gives it a meaning and its operands are available."""
         if op in self.ops or op not in self.order:
             return False
-        classified = classify(op, self.domain, self.known)
+        classified = classify(op, self.domain, self.known, casts=op.operands[0] in self.inputs if op.operands else False)
         if classified is None:
             return False
         plumbing: list[tuple[Operation, Classified]] = []
@@ -226,7 +228,7 @@ class _Grower:
             op = value.op
             if value not in self.inputs or op is None or op not in self.order or len(self.ops) >= MAX_REGION_OPS:
                 continue
-            classified = classify(op, self.domain, self.known)
+            classified = classify(op, self.domain, self.known, casts=True)
             if classified is None:
                 continue
             new_inputs = set()
