@@ -76,11 +76,12 @@ class MatchPatterns(Pass):
         for func in graph_funcs(module):
             block = func.regions[0].blocks[0]
             plans = plan_matches(block, find_matches(block, cache))
+            name = func.attributes["sym_name"]
             if not plans:
+                facts[name] = {}
                 continue
             replace = ReplaceRegions(block, plans, kernels)
             GreedyRewriteDriver([replace]).rewrite_block(block)
-            name = func.attributes["sym_name"]
             facts[name] = pattern_facts(plans, replace.symbols)
             if self.remarks:
                 for plan in plans:

@@ -188,8 +188,9 @@ class _Search:
                 return []
         found = []
         for i, w, b in zip(candidates, weight[ok], bias[ok]):
-            w = self._column(w, 1.0)
-            b = self._column(b, 0.0)
+            scale = float(np.abs(stacked[i]).max())
+            w = self._column(w, 1.0, scale)
+            b = self._column(b, 0.0, scale)
             if w is False or b is False:
                 continue
             wants = [a * (1.0 if w is None else env[w]) + (0.0 if b is None else env[b])
@@ -198,10 +199,11 @@ class _Search:
                 found.append((values[i], w, b))
         return found
 
-    def _column(self, solved: np.ndarray, identity: float) -> Value | None | bool:
-        """The column value equal to `solved` on the first trial; None when it is the identity; False when none."""
+    def _column(self, solved: np.ndarray, identity: float, scale: float) -> Value | None | bool:
+        """The column value equal to `solved` on the first trial; None when it is the identity (within the
+        tolerance of values of magnitude `scale`); False when none."""
         solved = solved.reshape(1, -1)
-        if close(solved, np.full_like(solved, identity)):
+        if np.all(np.abs(solved - identity) <= TOLERANCE * max(scale, abs(identity))):
             return None
         found = self.equal(Kind.COLUMN, [solved], leaves=True)
         return found[0] if found else False
@@ -244,7 +246,27 @@ class _Search:
                     stack.extend(op.operands)
             elif splat_value(op) is None and not (self.free_ok and value in region.free):
                 return None
+        if self._reads_slice(stops, ops):
+            return None
         return [op for op in region.ops if op in ops]
+
+    def _reads_slice(self, stops: set[Value], ops: set[Operation]) -> bool:
+        """Whether a bound input is computed from a value of the slice (it could not be read by the kernel that
+        replaces the slice: an upstream gradient `dy / p * p` is no input of the backward that makes `dy / p`)."""
+        region = self.region
+        seen: set[Operation] = set()
+        stack = [v.op for v in stops if v is not None and v.op is not None and v.op in region.op_set]
+        while stack:
+            op = stack.pop()
+            if op in seen:
+                continue
+            seen.add(op)
+            for operand in op.operands:
+                if operand.op is not None and operand.op in region.op_set:
+                    if operand.op in ops:
+                        return True
+                    stack.append(operand.op)
+        return False
 
     def row_inputs(self) -> list[Value]:
         """Row values that feed a row reduction of the region (a family's x reduces along its rows)."""

@@ -100,14 +100,14 @@ def _holds(match: Match, kind: Kind, want: np.ndarray) -> bool:
 def _normalizer(match: Match) -> list[str]:
     if _ops(match, "graph.rsqrt"):
         return []
-    if _ops(match, "graph.pow"):
+    if any(splat_value(op.operands[1].op) == -0.5 for op in _ops(match, "graph.pow")):
         return ["normalizer as a power of -1/2"]
     roots = {op.result for op in _ops(match, "graph.sqrt")}
     if not roots:
         return []
     roots |= {op.result for op in match.slice if op.operands and op.operands[0] in roots
               and match.region.classes[op].op_class in (OpClass.BROADCAST, OpClass.VIEW)}
-    if any(op.operands[1] in roots for op in _ops(match, "graph.div")):
+    if any(op.operands[1] in roots and splat_value(op.operands[0].op) != 1.0 for op in _ops(match, "graph.div")):
         return ["division by the square root"]
     return ["normalizer as 1/sqrt"]
 

@@ -31,7 +31,7 @@ made to a fixpoint.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,6 +46,8 @@ from .families import Match
 from .memo import MatchCache
 from .regions import Region, grow
 
+#: How often a reduction may seed a region (again after a match took part of the region it grew).
+GROWTHS_PER_SEED = 2
 #: A launch's row count is a 32-bit int.
 MAX_ROWS = 2**31 - 1
 #: The kernel outputs a caller may read directly (the rest are statistics).
@@ -76,24 +78,31 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
                 forward_of.setdefault(value, match)
         return True
 
-    for op in block.ops:
-        if op in tried or op in claimed:
+    seeds = {op: domain for op in block.ops if (domain := seed_domain(op)) is not None}
+    queue = deque(seeds)
+    grown: Counter[Operation] = Counter()
+    while queue:
+        op = queue.popleft()
+        if op in tried or op in claimed or grown[op] == GROWTHS_PER_SEED:
             continue
-        domain = seed_domain(op)
-        if domain is None:
-            continue
-        region = grow([op], domain, order, free)
+        grown[op] += 1
+        region = grow([op], seeds[op], order, free, blocked=claimed)
         if region is None:
             continue
-        if confirm(cache.forward(region)):
-            tried.update(matches[-1].slice)
-            continue
-        tried.update(region.ops)
-        confirm(_backward(region, forward_of, cache))
+        match = cache.forward(region)
+        if not confirm(match):
+            match = _backward(region, forward_of, cache)
+            if not confirm(match):
+                tried.update(region.ops)
+                continue
+        tried.update(match.slice)
+        # The region's other reductions may be another family's: a softmax backward whose dx is a layernorm
+        # backward's dy grows into one region with it. They are grown again, the match's slice left out.
+        queue.extendleft(reversed([o for o in region.ops if o in seeds and o not in tried and o not in claimed]))
     for forward in [m for m in matches if m.direction == "forward"]:
         readers = _readers_outside(forward, claimed, order)
         if readers:
-            region = grow(readers, forward.region.domain, order, free)
+            region = grow(readers, forward.region.domain, order, free, blocked=claimed)
             if region is not None:
                 confirm(_backward(region, forward_of, cache))
     return matches

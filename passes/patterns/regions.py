@@ -28,7 +28,7 @@ while the casts of its outputs stay outside for the rewrite to absorb.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from attrs import define, field
 
@@ -108,6 +108,8 @@ class _Grower:
     domain: RowDomain
     order: dict[Operation, int]
     free: Callable[[Value], bool]
+    #: Ops that may not join (other matches' slices): their values are read as inputs.
+    blocked: Collection[Operation] = ()
     ops: set[Operation] = field(factory=set)
     classes: dict[Operation, Classified] = field(factory=dict)
     kinds: dict[Value, Kind] = field(factory=dict)
@@ -150,7 +152,7 @@ class _Grower:
         if value.op in self.ops or value in self.inputs or self.leaf_like(value, kind):
             return []
         op = value.op
-        if op is None or depth >= PLUMBING_DEPTH or op.parent is None or op not in self.order:
+        if op is None or depth >= PLUMBING_DEPTH or op not in self.order or op in self.blocked:
             return None
         known = lambda v: kind if v is value else self.known(v)  # noqa: E731
         classified = classify(op, self.domain, known, casts=True)
@@ -166,7 +168,7 @@ class _Grower:
 
     def try_add(self, op: Operation) -> bool:
         """Add `op` (with the plumbing it needs) when the domain gives it a meaning and its operands are available."""
-        if op in self.ops or op not in self.order:
+        if op in self.ops or op not in self.order or op in self.blocked:
             return False
         classified = classify(op, self.domain, self.known, casts=op.operands[0] in self.inputs if op.operands else False)
         if classified is None:
@@ -226,7 +228,8 @@ class _Grower:
         changed = False
         for value in list(self.inputs):
             op = value.op
-            if value not in self.inputs or op is None or op not in self.order or len(self.ops) >= MAX_REGION_OPS:
+            if (value not in self.inputs or op is None or op not in self.order or op in self.blocked
+                    or len(self.ops) >= MAX_REGION_OPS):
                 continue
             classified = classify(op, self.domain, self.known, casts=True)
             if classified is None:
@@ -250,9 +253,10 @@ class _Grower:
 
 
 def grow(seeds: Iterable[Operation], domain: RowDomain, order: dict[Operation, int],
-         free: Callable[[Value], bool] = lambda v: False) -> Region | None:
-    """The region grown from `seeds` (ops of `domain`) to a fixpoint; None when no seed has a meaning in it."""
-    grower = _Grower(domain, order, free)
+         free: Callable[[Value], bool] = lambda v: False, blocked: Collection[Operation] = ()) -> Region | None:
+    """The region grown from `seeds` (ops of `domain`) to a fixpoint, never through `blocked` ops; None when
+    no seed has a meaning in it."""
+    grower = _Grower(domain, order, free, blocked)
     for seed in seeds:
         if seed.operands and seed.operands[0].type.shape == domain.shape:
             grower.kinds.setdefault(seed.operands[0], Kind.ROW)
