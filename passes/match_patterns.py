@@ -40,6 +40,7 @@ from attrs import define
 
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value
 from ..dialects.kern import kernel_attributes
+from ..dialects.printer import print_attr_dict
 from .dce import graph_funcs
 from .emit_cuda.pattern_kernels import FLOAT_STORAGE
 from .manager import CompilationUnit, Pass, register_pass
@@ -161,9 +162,10 @@ def _variant(options: dict[str, Any]) -> str:
 
 
 def _key(attributes: dict[str, Any]) -> str:
-    from ..dialects.printer import print_attr_dict
-
-    return print_attr_dict(kernel_attributes(Operation.create("kern.kernel", attributes=attributes)))
+    """What makes two pattern kernels one: everything but the symbol, the model path and the form it was
+    recognised in (descriptions of a region, not of the code)."""
+    same = kernel_attributes(Operation.create("kern.kernel", attributes=attributes))
+    return print_attr_dict({k: v for k, v in same.items() if k != "form"})
 
 
 class ReplaceRegions(RewritePattern):
@@ -179,6 +181,8 @@ class ReplaceRegions(RewritePattern):
         self.outputs: dict[Match, dict[str, Value]] = {}
         #: The values replaced so far and what replaced them (matches found before rewriting hold the old ones).
         self.replaced: dict[Value, Value] = {}
+        #: The reshapes made into kernel layouts, by value and shape.
+        self.reshapes: dict[tuple[Value, tuple[int, ...]], Value] = {}
 
     def current(self, value: Value) -> Value:
         while value in self.replaced:
@@ -322,12 +326,17 @@ class _Launch:
         return TensorType((), dtype)
 
     def reshaped(self, value: Value, target: TensorType, anchor: Operation) -> Value:
+        """`value` in the kernel's layout: a reshape (one per value and shape, shared by a forward and its
+        backward)."""
         if value.type.shape == target.shape:
             return value
-        op = Operation.create("graph.reshape", [value], [value.type.with_shape(target.shape)],
-                              {"path": self.plan.path, "shape": list(target.shape)}, loc=anchor.loc)
-        self.owner.insert(self.rewriter, op, anchor)
-        return op.result
+        key = (value, target.shape)
+        if key not in self.owner.reshapes:
+            op = Operation.create("graph.reshape", [value], [value.type.with_shape(target.shape)],
+                                  {"path": self.plan.path, "shape": list(target.shape)}, loc=anchor.loc)
+            self.owner.insert(self.rewriter, op, anchor)
+            self.owner.reshapes[key] = op.result
+        return self.owner.reshapes[key]
 
     def replacement(self, name: str, result: Value, value: Value, anchor: Operation, accumulate: Value | None) -> Value:
         """The kernel's output in `value`'s shape, added to the accumulated gradient or scaled as the loss was."""
@@ -339,7 +348,8 @@ class _Launch:
             self.owner.insert(self.rewriter, add, anchor)
             new = add.result
         if name == "loss" and loss_factor(match) != 1.0:
-            factor = Operation.create("graph.const", [], [value.type], {"value": loss_factor(match)}, loc=anchor.loc)
+            factor = Operation.create("graph.const", [], [value.type], {"path": self.plan.path, "value": loss_factor(match)},
+                                      loc=anchor.loc)
             mul = Operation.create("graph.mul", [new, factor.result], [value.type], {"path": self.plan.path},
                                    loc=anchor.loc)
             self.owner.insert(self.rewriter, factor, anchor)

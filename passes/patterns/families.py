@@ -35,6 +35,8 @@ from .regions import Region
 #: Relative tolerance of a match (float64 evaluation: equal math agrees to about 1e-14).
 TOLERANCE = 1e-9
 TRIALS = 2
+#: A gradient this small against what it is made of is zero in exact math.
+DEGENERATE = 1e-6
 
 FORWARD_ROW_FAMILIES = ("softmax", "log_softmax", "layernorm", "rmsnorm")
 #: The backward family of each forward family, and the forward outputs its kernel reads.
@@ -88,13 +90,15 @@ class Match:
         return {v for values in self.outputs.values() for v in values}
 
 
-def close(got: np.ndarray, want: np.ndarray) -> bool:
-    """Equal within TOLERANCE relative to each element and to the largest magnitude; both finite."""
+def close(got: np.ndarray, want: np.ndarray, floor: float = 0.0) -> bool:
+    """Equal within TOLERANCE relative to each element and to the largest magnitude (at least `floor`, the
+    magnitude of what a gradient is made of: a gradient that is zero in exact math is rounding in the graph);
+    both finite."""
     if got.shape != want.shape or got.dtype.kind not in "fc" or not np.all(np.isfinite(got)):
         return False
     if not np.all(np.isfinite(want)):
         return False
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, floor)
     return bool(np.all(np.abs(got - want) <= TOLERANCE * (np.abs(want) + scale) + 1e-300))
 
 
@@ -157,7 +161,8 @@ class _Search:
             self._pools[key] = (values, probes)
         return self._pools[key]
 
-    def equal(self, kind: Kind, wants: Sequence[np.ndarray], leaves: bool = False, free: bool = True) -> list[Value]:
+    def equal(self, kind: Kind, wants: Sequence[np.ndarray], leaves: bool = False, free: bool = True,
+              floor: float = 0.0) -> list[Value]:
         """The values of `kind` equal to `wants[t]` on every trial t (a probe of a few elements first); region
         values only unless `leaves` (a family's outputs are computed by the region)."""
         values, probes = self._pool(kind, leaves, free)
@@ -167,10 +172,11 @@ class _Search:
         if not np.all(np.isfinite(want)):
             return []
         probe = _probe(want)
-        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        scale = max(float(np.max(np.abs(want))) if want.size else 0.0, floor)
         near = np.all(np.abs(probes - probe) <= TOLERANCE * (np.abs(probe) + scale) + 1e-300, axis=1)
         return [values[i] for i in np.flatnonzero(near)
-                if all(close(np.asarray(env[values[i]], dtype=np.float64), w) for env, w in zip(self.trials, wants))]
+                if all(close(np.asarray(env[values[i]], dtype=np.float64), w, floor)
+                       for env, w in zip(self.trials, wants))]
 
     def affine(self, normed: Sequence[np.ndarray], with_bias: bool) -> list[tuple[Value, Value | None, Value | None]]:
         """Row values equal to `normed * weight (+ bias)` on every trial, with weight and bias column values of
@@ -215,14 +221,17 @@ class _Search:
             self._pools["rows"] = (values, np.array([np.asarray(env[v], dtype=np.float64) for v in values]))
         return self._pools["rows"]
 
-    def gradient(self, dx: Sequence[np.ndarray]) -> Iterator[tuple[list[Value], dict[str, Any]]]:
-        """The row values equal to `dx`; failing those, the ones equal to dx added to the region's accumulator."""
-        found = self.equal(Kind.ROW, dx, free=False)
+    def gradient(self, dx: Sequence[np.ndarray], floor: float) -> Iterator[tuple[list[Value], dict[str, Any]]]:
+        """The row values equal to `dx`; failing those, the ones equal to dx added to the region's accumulator.
+        None when dx is zero in exact math (a softmax's gradient for a constant dy): rounding matches anything."""
+        if float(np.max(np.abs(dx[0]))) <= DEGENERATE * floor:
+            return
+        found = self.equal(Kind.ROW, dx, free=False, floor=floor)
         if found:
             yield found, {}
             return
         for accumulator in self.region.accumulators:
-            found = self.equal(Kind.ROW, [d + a for d, a in zip(dx, self.at(accumulator))], free=False)
+            found = self.equal(Kind.ROW, [d + a for d, a in zip(dx, self.at(accumulator))], free=False, floor=floor)
             if found:
                 yield found, {"accumulate": accumulator}
 
@@ -428,23 +437,27 @@ def _match_backward(region: Region, forward: Match) -> Match | None:
 def _backward_candidates(search: _Search, forward: Match, fx: list[np.ndarray]) -> Iterator[tuple[dict, dict, dict]]:
     family = forward.family
     forward_slice = set(forward.slice)
+    # The gradient: a row value not of the forward proper, or a constant (the loss a mean of the outputs).
+    region = search.region
     dys = [v for v in search.values(Kind.ROW) if v.op not in forward_slice]
+    dys += [v for v in region.leaves if splat_value(v.op) is not None and v.type.shape == region.domain.shape
+            and is_float(v)]
     if family in ("softmax", "log_softmax"):
         ys = [softmax(a) if family == "softmax" else log_softmax(a) for a in fx]
         for dy in dys:
-            g = search.at(dy)
+            g = [np.broadcast_to(a, f.shape) for a, f in zip(search.at(dy), fx)]
             if family == "softmax":
                 dx = [y * (d - (d * y).sum(1, keepdims=True)) for y, d in zip(ys, g)]
             else:
                 dx = [d - np.exp(y) * d.sum(1, keepdims=True) for y, d in zip(ys, g)]
-            for found, params in search.gradient(dx):
+            for found, params in search.gradient(dx, float(np.max(np.abs(g[0])))):
                 yield {"dy": dy}, {"dx": found}, params
     elif family in ("layernorm", "rmsnorm"):
         eps = forward.params["eps"]
         weight = forward.inputs.get("weight")
         w = [None if weight is None else env[weight] for env in forward.evaluated()]
         for dy in dys:
-            g = search.at(dy)
+            g = [np.broadcast_to(a, f.shape) for a, f in zip(search.at(dy), fx)]
             grads = [d if wv is None else d * wv for d, wv in zip(g, w)]
             if family == "layernorm":
                 stats = [moments(a, eps) for a in fx]
@@ -455,7 +468,9 @@ def _backward_candidates(search: _Search, forward: Match, fx: list[np.ndarray]) 
                 rstds = [rms(a, eps) for a in fx]
                 xhat = [a * r for a, r in zip(fx, rstds)]
                 dx = [(gr - xh * (gr * xh).mean(1, keepdims=True)) * r for gr, xh, r in zip(grads, xhat, rstds)]
-            for found, params in search.gradient(dx):
+            floor = float(np.max(np.abs(grads[0]))) * float(np.max(rms(fx[0], eps) if family == "rmsnorm"
+                                                                    else moments(fx[0], eps)[1]))
+            for found, params in search.gradient(dx, floor):
                 outputs = {"dx": found}
                 if forward.params.get("weight"):
                     outputs["dweight"] = search.equal(Kind.COLUMN, [(d * xh).sum(0, keepdims=True)

@@ -62,6 +62,8 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
     claimed: set[Operation] = set()
     tried: set[Operation] = set()
 
+    intermediates: set[Value] = set()
+
     def free(value: Value) -> bool:
         return value in forward_of
 
@@ -76,6 +78,7 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
             inside = {op.result for op in match.slice}
             for value in [*inside, *(v for op in match.slice for v in op.operands if v not in inside)]:
                 forward_of.setdefault(value, match)
+            intermediates.update(inside - match.output_values())
         return True
 
     seeds = {op: domain for op in block.ops if (domain := seed_domain(op)) is not None}
@@ -86,7 +89,7 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
         if op in tried or op in claimed or grown[op] == GROWTHS_PER_SEED:
             continue
         grown[op] += 1
-        region = grow([op], seeds[op], order, free, blocked=claimed)
+        region = grow([op], seeds[op], order, free, blocked=claimed, intermediate=intermediates.__contains__)
         if region is None:
             continue
         match = cache.forward(region)
@@ -102,7 +105,8 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
     for forward in [m for m in matches if m.direction == "forward"]:
         readers = _readers_outside(forward, claimed, order)
         if readers:
-            region = grow(readers, forward.region.domain, order, free, blocked=claimed)
+            region = grow(readers, forward.region.domain, order, free, blocked=claimed,
+                          intermediate=intermediates.__contains__)
             if region is not None:
                 confirm(_backward(region, forward_of, cache))
     return matches

@@ -3,7 +3,8 @@
 A region starts at one or more ops of a domain (a reduction along the rows,
 or the users of another region's values) and grows to a fixpoint:
 
-- downstream: a user of a region value (or of one of its inputs) joins when
+- downstream: a user of a region value (or of one of its inputs, or of a
+  free intermediate of a forward the region reads) joins when
   the domain gives it a meaning and every other operand it reads is
   available: a region value, an input, or a *leaf-like* value — a splat
   constant, integer per-row indices (targets), a column or whole value, a
@@ -110,7 +111,10 @@ class _Grower:
     free: Callable[[Value], bool]
     #: Ops that may not join (other matches' slices): their values are read as inputs.
     blocked: Collection[Operation] = ()
+    #: Free values whose readers the region grows into (a forward's intermediates, for its backward).
+    intermediate: Callable[[Value], bool] = lambda v: False
     ops: set[Operation] = field(factory=set)
+    seen_free: set[Value] = field(factory=set)
     classes: dict[Operation, Classified] = field(factory=dict)
     kinds: dict[Value, Kind] = field(factory=dict)
     inputs: dict[Value, None] = field(factory=dict)
@@ -142,6 +146,10 @@ class _Grower:
     def leaf_like(self, value: Value, kind: Kind) -> bool:
         """A value a region may read without it counting as an input."""
         if self.free(value):
+            if self.intermediate(value) and value not in self.seen_free:
+                # A forward's intermediate this region reads: its other readers are the backward's too.
+                self.seen_free.add(value)
+                self.frontier.append(value)
             return True
         if splat_value(value.op) is not None:
             return True
@@ -253,10 +261,11 @@ class _Grower:
 
 
 def grow(seeds: Iterable[Operation], domain: RowDomain, order: dict[Operation, int],
-         free: Callable[[Value], bool] = lambda v: False, blocked: Collection[Operation] = ()) -> Region | None:
-    """The region grown from `seeds` (ops of `domain`) to a fixpoint, never through `blocked` ops; None when
-    no seed has a meaning in it."""
-    grower = _Grower(domain, order, free, blocked)
+         free: Callable[[Value], bool] = lambda v: False, blocked: Collection[Operation] = (),
+         intermediate: Callable[[Value], bool] = lambda v: False) -> Region | None:
+    """The region grown from `seeds` (ops of `domain`) to a fixpoint, never through `blocked` ops, into the
+    readers of the `intermediate` free values it reads; None when no seed has a meaning in it."""
+    grower = _Grower(domain, order, free, blocked, intermediate)
     for seed in seeds:
         if seed.operands and seed.operands[0].type.shape == domain.shape:
             grower.kinds.setdefault(seed.operands[0], Kind.ROW)
