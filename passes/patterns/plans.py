@@ -55,7 +55,7 @@ DATA_OUTPUTS = ("y", "dx", "dlogits")
 
 
 def find_matches(block: Block, cache: MatchCache) -> list[Match]:
-    """The matches of the reductions of `block`, forwards and backwards, in the order they were found."""
+    """The matches of the reductions of `block`, forwards and backwards, in block order."""
     order = {op: i for i, op in enumerate(block.ops)}
     matches: list[Match] = []
     forward_of: dict[Value, Match] = {}
@@ -109,7 +109,7 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
                           intermediate=intermediates.__contains__)
             if region is not None:
                 confirm(_backward(region, forward_of, cache))
-    return matches
+    return sorted(matches, key=lambda m: order[m.slice[0]])
 
 
 def _backward(region: Region, forward_of: dict[Value, Match], cache: MatchCache) -> Match | None:
