@@ -19,6 +19,7 @@ symbol's `rows` (a column-summing backward launches a second, `column_sum`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,8 +65,8 @@ class PatternKernel:
     def program(self, dtypes: Mapping[str, str] | None = None) -> KernelProgram:
         """The template's program; `dtypes` gives every operand's dtype by name (the defaults when None)."""
         function, names = self.template()
-        options = {name: self.options[name] for name in names if name in self.options}
-        return function(self.cols, dtypes=dtypes, **options)
+        options = tuple((name, self.options[name]) for name in names if name in self.options)
+        return _program(function, self.cols, tuple(sorted((dtypes or {}).items())), options)
 
     def operands(self) -> tuple[list[str], list[str]]:
         """The names of the program's inputs and outputs, in launch order."""
@@ -84,6 +85,13 @@ class PatternKernel:
         key = "family" if self.kind == "row" else "direction"
         length = "cols" if self.kind == "row" else "vocab"
         return {key: self.family, length: self.cols, **self.options}
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(function: Callable[..., KernelProgram], cols: int, dtypes: tuple[tuple[str, str], ...],
+             options: tuple[tuple[str, Any], ...]) -> KernelProgram:
+    """A template's program, made once per specialisation (a model's layers ask for the same one many times)."""
+    return function(cols, dtypes=dict(dtypes) or None, **dict(options))
 
 
 def pattern_kernel(kernel: Operation) -> PatternKernel:

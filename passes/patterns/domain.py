@@ -21,6 +21,7 @@ transpose, a broadcast over other axes) is None: a region stops there.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -128,7 +129,9 @@ class RowDomain:
 
     def kinds_of_shape(self, shape: Sequence[int]) -> frozenset[Kind]:
         """The kinds a value of this shape can be (several when shapes coincide, e.g. a square domain)."""
-        shape = tuple(shape)
+        return _kinds_of_shape(self, tuple(shape))
+
+    def _kinds(self, shape: tuple[int, ...]) -> frozenset[Kind]:
         kinds = set()
         if shape == self.shape:
             kinds.add(Kind.ROW)
@@ -143,6 +146,11 @@ class RowDomain:
     def right_aligned(self, shape: Sequence[int]) -> tuple[int, ...] | None:
         lead = self.rank - len(shape)
         return None if lead < 0 else (1,) * lead + tuple(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kinds_of_shape(domain: RowDomain, shape: tuple[int, ...]) -> frozenset[Kind]:
+    return domain._kinds(shape)
 
 
 KnownKind = Callable[[Value], "Kind | None"]

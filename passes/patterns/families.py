@@ -185,13 +185,18 @@ class _Search:
         values, stacked = self._rows()
         if not values:
             return []
-        candidates = np.arange(len(values))
         # A few columns first (most values fit no affine map of `normed`), then every column of the survivors.
-        for columns in (PROBE_POSITIONS % stacked.shape[2], slice(None)):
-            weight, bias, ok = _affine_fit(normed[0][:, columns], stacked[candidates][:, :, columns], with_bias)
-            candidates = candidates[ok]
-            if not candidates.size:
-                return []
+        columns = PROBE_POSITIONS % stacked.shape[2]
+        probed = self._probed_rows()
+        _, _, ok = _affine_fit(normed[0][:, columns], probed, with_bias)
+        # A value equal on every row (a broadcast column) fits any map with a zero weight: not a normalized row.
+        if probed.shape[1] > 1:
+            ok &= np.any(probed != probed[:, :1, :], axis=(1, 2))
+        candidates = np.flatnonzero(ok)
+        if not candidates.size:
+            return []
+        weight, bias, ok = _affine_fit(normed[0], stacked[candidates], with_bias)
+        candidates = candidates[ok]
         found = []
         for i, w, b in zip(candidates, weight[ok], bias[ok]):
             scale = float(np.abs(stacked[i]).max())
@@ -213,6 +218,13 @@ class _Search:
             return None
         found = self.equal(Kind.COLUMN, [solved], leaves=True)
         return found[0] if found else False
+
+    def _probed_rows(self) -> np.ndarray:
+        """The region's row values on the first trial, at the probe columns only."""
+        if "probed rows" not in self._pools:
+            _, stacked = self._rows()
+            self._pools["probed rows"] = stacked[:, :, PROBE_POSITIONS % stacked.shape[2]]
+        return self._pools["probed rows"]
 
     def _rows(self) -> tuple[list[Value], np.ndarray]:
         if "rows" not in self._pools:
