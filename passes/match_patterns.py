@@ -265,6 +265,11 @@ class _Launch:
                 self.rewriter.replace_all_uses_with(value, new)
                 self.owner.replaced[value] = new
 
+    @property
+    def stamp(self) -> dict[str, str]:
+        """The model path the ops made for the launch carry (none for a region outside the model)."""
+        return {"path": self.plan.path} if self.plan.path else {}
+
     def recompute(self, value: Value, anchor: Operation) -> Value:
         """A copy of the ops computing `value` from the kernel's inputs, for the readers outside the region."""
         copies: dict[Value, Value] = {}
@@ -333,7 +338,7 @@ class _Launch:
         key = (value, target.shape)
         if key not in self.owner.reshapes:
             op = Operation.create("graph.reshape", [value], [value.type.with_shape(target.shape)],
-                                  {"path": self.plan.path, "shape": list(target.shape)}, loc=anchor.loc)
+                                  {**self.stamp, "shape": list(target.shape)}, loc=anchor.loc)
             self.owner.insert(self.rewriter, op, anchor)
             self.owner.reshapes[key] = op.result
         return self.owner.reshapes[key]
@@ -343,15 +348,13 @@ class _Launch:
         new = self.reshaped(result, value.type, anchor)
         match = self.plan.match
         if name == "dx" and accumulate is not None:
-            add = Operation.create("graph.add", [accumulate, new], [value.type], {"path": self.plan.path},
-                                   loc=anchor.loc)
+            add = Operation.create("graph.add", [accumulate, new], [value.type], dict(self.stamp), loc=anchor.loc)
             self.owner.insert(self.rewriter, add, anchor)
             new = add.result
         if name == "loss" and loss_factor(match) != 1.0:
-            factor = Operation.create("graph.const", [], [value.type], {"path": self.plan.path, "value": loss_factor(match)},
+            factor = Operation.create("graph.const", [], [value.type], {**self.stamp, "value": loss_factor(match)},
                                       loc=anchor.loc)
-            mul = Operation.create("graph.mul", [new, factor.result], [value.type], {"path": self.plan.path},
-                                   loc=anchor.loc)
+            mul = Operation.create("graph.mul", [new, factor.result], [value.type], dict(self.stamp), loc=anchor.loc)
             self.owner.insert(self.rewriter, factor, anchor)
             self.owner.insert(self.rewriter, mul, anchor)
             new = mul.result

@@ -424,10 +424,8 @@ def match_backward(region: Region, forward: Match) -> Match | None:
 
 
 def _match_backward(region: Region, forward: Match) -> Match | None:
-    known = set(forward.slice)
-    forward_leaves = {v for op in forward.slice for v in op.operands}
-    if not all((v.op is not None and v.op in known) or v in forward_leaves for v in region.free):
-        return None
+    # The region's free leaves that are the forward's are computed by its evaluation; others (another forward's
+    # output, such as soft targets) are inputs like any, drawn at random.
     family, stats = BACKWARD_OF[forward.family]
     search = _Search(region, _trials(region, forward.evaluated()), free_ok=True)
     fx = [np.asarray(env[forward.inputs["x"]], dtype=np.float64) for env in forward.evaluated()]

@@ -41,11 +41,13 @@ from ...diagnostics import Location
 from ...dialects.core import REGISTRY, Block, Operation, Value
 from ...dialects.traits import Trait, has_trait
 from ..emit_cuda.pattern_kernels import FLOAT_STORAGE, INDEX_STORAGE, PatternKernel
-from .domain import VIEW_OPS, OpClass, is_float_cast, seed_domain, splat_value
+from .domain import OpClass, is_float_cast, seed_domain, splat_value
 from .families import Match
 from .memo import MatchCache
 from .regions import Region, grow
 
+#: How far up from a region's input its model path is looked for (logits scaled in the loss: `(/ logits t)`).
+PATH_SEARCH_DEPTH = 4
 #: How often a reduction may seed a region (again after a match took part of the region it grew).
 GROWTHS_PER_SEED = 2
 #: A launch's row count is a 32-bit int.
@@ -200,17 +202,20 @@ def plan_matches(block: Block, matches: list[Match]) -> list[Plan]:
 
 
 def region_path(match: Match) -> str:
-    """The model path of the region: its ops' most common `path`, else its forward's, else its input's."""
+    """The model path of the region: its ops' most common `path`, else its forward's, else that of its input or
+    of what the input was computed from."""
     paths = Counter(op.attributes["path"] for op in match.slice if "path" in op.attributes)
     if paths:
         return paths.most_common(1)[0][0]
     if match.forward is not None:
         return region_path(match.forward)
     value = match.inputs.get("x")
-    while value is not None and value.op is not None:
+    for _ in range(PATH_SEARCH_DEPTH):
+        if value is None or value.op is None:
+            break
         if "path" in value.op.attributes:
             return value.op.attributes["path"]
-        value = value.op.operands[0] if value.op.name in ("graph.cast", *VIEW_OPS) and value.op.operands else None
+        value = value.op.operands[0] if value.op.operands else None
     return ""
 
 
@@ -293,7 +298,7 @@ def _exposure(plan: Plan, doomed: set[Operation]) -> str | None:
 
 def recomputable(match: Match, value: Value) -> list[Operation] | None:
     """The slice ops computing `value` from the forward kernel's inputs and constants when they are one row
-    reduction (with views and broadcasts around it), else None."""
+    reduction (with views, broadcasts and the input's precision cast around it), else None."""
     if match.direction != "forward":
         return None
     inputs = set(match.inputs.values())
@@ -312,7 +317,8 @@ def recomputable(match: Match, value: Value) -> list[Operation] | None:
             stack.extend(op.operands)
     classes = [match.region.classes[op].op_class for op in ops]
     reductions = sum(c is OpClass.REDUCE_ROW for c in classes)
-    if reductions != 1 or any(c not in (OpClass.REDUCE_ROW, OpClass.VIEW, OpClass.BROADCAST) for c in classes):
+    moves = (OpClass.REDUCE_ROW, OpClass.VIEW, OpClass.BROADCAST)
+    if reductions != 1 or any(c not in moves and not is_float_cast(op) for op, c in zip(ops, classes)):
         return None
     return [op for op in match.slice if op in ops]
 
