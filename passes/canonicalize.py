@@ -1,7 +1,7 @@
 """`canonicalize`: algebraic identities, shape-op chains and splat-constant folding.
 
 Every rewrite is a `RewritePattern` driven to a fixpoint by the greedy driver
-in `rewriter.py`, which also erases pure ops left unused.
+of `dialects/rewriting.py`, which also erases pure ops left unused.
 
 Which identities are safe: `x + 0`, `x - 0`, `x * 1`, `x / 1`, `x ** 1` give
 exactly `x` for every value except that `-0.0 + 0.0` is `+0.0`, a zero of
@@ -19,7 +19,7 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import FLOAT_DTYPES, Operation, Value
-from ..dialects.graph import op_axis, pad_widths, transpose_perm
+from ..dialects.graph import graph_funcs, op_axis, pad_widths, transpose_perm
 from ..dialects.graph_semantics import (
     FLOAT64_ARITH,
     FLOAT64_COMPARE,
@@ -28,10 +28,9 @@ from ..dialects.graph_semantics import (
     numpy_dtypes,
     numpy_unary,
 )
+from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
 from ..dialects.traits import SPLAT_PRESERVING_OPS, Trait, has_trait, ops_with
-from .dce import graph_funcs
 from .manager import CompilationUnit, Pass, register_pass
-from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 
 def splat_value(value: Value) -> Any:

@@ -39,9 +39,10 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value
+from ..dialects.graph import graph_funcs
 from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
-from .dce import graph_funcs
+from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
 from .emit_cuda.pattern_kernels import FLOAT_STORAGE
 from .manager import CompilationUnit, Pass, register_pass
 from .patterns.domain import is_float_cast
@@ -49,7 +50,6 @@ from .patterns.families import Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
 from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
-from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 #: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
 ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
@@ -205,11 +205,14 @@ class ReplaceRegions(RewritePattern):
                 return None
         return anchor
 
-    def insert(self, rewriter: PatternRewriter, op: Operation, anchor: Operation) -> None:
-        rewriter.insert_op_before(op, anchor)
+    def create(self, rewriter: PatternRewriter, name: str, operands: list[Value], attributes: dict[str, Any],
+               types: list[TensorType], loc, anchor: Operation) -> Operation:
+        """An op made through the rewriter before `anchor`, given its place in the block order."""
+        op = rewriter.create(name, operands, attributes, types, loc, before=anchor)
         previous = op.prev_op
         low = self.position[previous] if previous is not None and previous in self.position else -1.0
         self.position[op] = (low + self.position[anchor]) / 2
+        return op
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         plan = self.pending.pop(op, None)
@@ -252,9 +255,8 @@ class _Launch:
         symbol = self.owner.kernels.symbol(stem, attributes, match.slice[0].loc)
         self.owner.symbols[plan] = symbol
         operands = [self.reshaped(sources[name], t, anchor) for name, t in zip(input_names, in_types)]
-        launch = Operation.create("kern.launch", operands, out_types,
-                                  {"kernel": SymbolRef(symbol), "path": plan.path}, loc=match.slice[0].loc)
-        self.owner.insert(self.rewriter, launch, anchor)
+        launch = self.owner.create(self.rewriter, "kern.launch", operands, {"kernel": SymbolRef(symbol), "path": plan.path},
+                                   out_types, match.slice[0].loc, anchor)
         for value in plan.recomputed:
             self.rewriter.replace_all_uses_with(value, self.recompute(value, anchor))
         results = dict(zip(output_names, launch.results))
@@ -277,8 +279,8 @@ class _Launch:
         assert ops is not None
         for op in ops:
             operands = [copies.get(v, self.owner.current(v)) for v in op.operands]
-            copy = Operation.create(op.name, operands, [r.type for r in op.results], dict(op.attributes), loc=op.loc)
-            self.owner.insert(self.rewriter, copy, anchor)
+            copy = self.owner.create(self.rewriter, op.name, operands, dict(op.attributes),
+                                     [r.type for r in op.results], op.loc, anchor)
             copies[op.result] = copy.result
         return copies[value]
 
@@ -295,9 +297,8 @@ class _Launch:
         if forward is not None and own in forward.inputs:
             return storage(forward.inputs[own])
         if name == "dloss":
-            const = Operation.create("graph.const", [], [TensorType((), "f32")], {"value": 1.0},
-                                     loc=match.slice[0].loc)
-            self.owner.insert(self.rewriter, const, match.slice[0])
+            const = self.owner.create(self.rewriter, "graph.const", [], {"value": 1.0}, [TensorType((), "f32")],
+                                      match.slice[0].loc, match.slice[0])
             return const.result
         raise AssertionError(f"no value for the {name} of a {self.plan.family} kernel")
 
@@ -337,9 +338,8 @@ class _Launch:
             return value
         key = (value, target.shape)
         if key not in self.owner.reshapes:
-            op = Operation.create("graph.reshape", [value], [value.type.with_shape(target.shape)],
-                                  {**self.stamp, "shape": list(target.shape)}, loc=anchor.loc)
-            self.owner.insert(self.rewriter, op, anchor)
+            op = self.owner.create(self.rewriter, "graph.reshape", [value], {**self.stamp, "shape": list(target.shape)},
+                                   [value.type.with_shape(target.shape)], anchor.loc, anchor)
             self.owner.reshapes[key] = op.result
         return self.owner.reshapes[key]
 
@@ -348,14 +348,13 @@ class _Launch:
         new = self.reshaped(result, value.type, anchor)
         match = self.plan.match
         if name == "dx" and accumulate is not None:
-            add = Operation.create("graph.add", [accumulate, new], [value.type], dict(self.stamp), loc=anchor.loc)
-            self.owner.insert(self.rewriter, add, anchor)
+            add = self.owner.create(self.rewriter, "graph.add", [accumulate, new], dict(self.stamp), [value.type],
+                                    anchor.loc, anchor)
             new = add.result
         if name == "loss" and loss_factor(match) != 1.0:
-            factor = Operation.create("graph.const", [], [value.type], {**self.stamp, "value": loss_factor(match)},
-                                      loc=anchor.loc)
-            mul = Operation.create("graph.mul", [new, factor.result], [value.type], dict(self.stamp), loc=anchor.loc)
-            self.owner.insert(self.rewriter, factor, anchor)
-            self.owner.insert(self.rewriter, mul, anchor)
+            factor = self.owner.create(self.rewriter, "graph.const", [], {**self.stamp, "value": loss_factor(match)},
+                                       [value.type], anchor.loc, anchor)
+            mul = self.owner.create(self.rewriter, "graph.mul", [new, factor.result], dict(self.stamp), [value.type],
+                                    anchor.loc, anchor)
             new = mul.result
         return new
