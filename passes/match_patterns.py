@@ -232,6 +232,13 @@ class _Launch:
 
     def build(self) -> None:
         plan, match = self.plan, self.plan.match
+        forward = match.forward
+        if forward is not None and forward not in self.owner.outputs:
+            # Its forward was not replaced after all (no launch position): it reads the forward's values.
+            missing = [role for role in match.stats if not forward.outputs.get(role)]
+            if missing:
+                plan.reason = f"its forward fell back, and no value holds the {' and '.join(missing)} its kernel reads"
+                return
         kernel = plan.kernel()
         input_names, output_names = kernel.operands()
         sources = {name: self.owner.current(self.source(name)) for name in input_names}

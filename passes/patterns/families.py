@@ -38,7 +38,6 @@ TRIALS = 2
 #: A gradient this small against what it is made of is zero in exact math.
 DEGENERATE = 1e-6
 
-FORWARD_ROW_FAMILIES = ("softmax", "log_softmax", "layernorm", "rmsnorm")
 #: The backward family of each forward family, and the forward outputs its kernel reads.
 BACKWARD_OF = {
     "softmax": ("softmax_backward", ("y",)),
@@ -69,7 +68,7 @@ class Match:
     stats: tuple[str, ...] = ()
     #: The form the region was written in (`forms`), phrases for `as` lines.
     forms: list[str] = field(factory=list)
-    #: The evaluated trials, for reading forms.
+    #: The region evaluated on the trials' sample rows (for reading forms, and a backward's evaluation).
     trials: list[Env] = field(factory=list, repr=False)
 
     @property
@@ -252,7 +251,7 @@ class _Search:
 
     def slice(self, outputs: Sequence[Value], stops: set[Value]) -> list[Operation] | None:
         """The region ops between the bound inputs (`stops`) and `outputs`; None when the outputs read another
-        input (an unbound leaf that is neither a splat constant nor, for a backward, the forward's)."""
+        input (an unbound leaf that is neither a splat constant nor, for a backward, a forward's value)."""
         region = self.region
         ops: set[Operation] = set()
         stack = list(outputs)
@@ -409,7 +408,7 @@ def _scaled_totals(search: _Search, losses: Sequence[np.ndarray]) -> Iterator[tu
         ratios = [float(env[value]) / float(total.sum()) for env, total in zip(search.trials, losses)]
         if not all(np.isfinite(ratios)) or ratios[0] == 0.0:
             continue
-        if abs(ratios[0] - ratios[1]) <= TOLERANCE * abs(ratios[0]):
+        if all(abs(r - ratios[0]) <= TOLERANCE * abs(ratios[0]) for r in ratios):
             key = next((k for k in groups if abs(k - ratios[0]) <= TOLERANCE * abs(k)), ratios[0])
             groups.setdefault(key, []).append(value)
     yield from groups.items()
@@ -437,8 +436,7 @@ def _match_backward(region: Region, forward: Match) -> Match | None:
         if not ops:
             continue
         match = Match(family, "backward", region, inputs, outputs, params, ops, forward=forward, stats=stats,
-                      accumulate=accumulate,
-                      trials=search.trials)
+                      accumulate=accumulate, trials=search.trials)
         if best is None or match.score > best.score:
             best = match
     return best

@@ -7,7 +7,9 @@ reads. The values of forward regions are free for later regions (a backward
 reads its forward's), and a forward whose intermediate values are read
 outside it also seeds a backward region from those readers (a loss written
 without the max shift has no reduction in its backward). A seed inside a
-matched slice is not grown again.
+matched slice is not grown again; the other reductions of a region a match
+took only part of are grown again, that slice left out (a softmax backward
+whose dx is a layernorm backward's dy grows into one region with it).
 
 A match is taken when its kernel can stand for its slice:
 

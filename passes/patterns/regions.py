@@ -11,7 +11,10 @@ or the users of another region's values) and grows to a fixpoint:
   value of another region named free (a backward reads its forward's), or
   plumbing made of those (a broadcast of a weight, an iota, an `eq` of an
   iota with broadcast targets) which joins too. Growing downstream never
-  takes a new row input: a residual add or a gradient stops it.
+  takes a new row input — a residual add or a gradient stops it — but for
+  one add, once nothing else grows: autodiff's accumulation of a gradient
+  into another (a layernorm's dx into the residual stream's), whose other
+  operand becomes the region's *accumulator*.
 - upstream: an input (a row or per-row value read from outside) is absorbed,
   its defining op joining, when that does not add more than the one row
   input it replaces: `x * x` becomes `x`, `exp(x)` becomes `x`,
@@ -73,9 +76,6 @@ class Region:
     @property
     def values(self) -> list[Value]:
         return [op.result for op in self.ops]
-
-    def contains(self, value: Value) -> bool:
-        return value.op is not None and value.op in self.op_set
 
     def kind(self, value: Value) -> Kind | None:
         return self.kinds.get(value)
@@ -269,7 +269,8 @@ def grow(seeds: Iterable[Operation], domain: RowDomain, order: dict[Operation, i
     for seed in seeds:
         if seed.operands and seed.operands[0].type.shape == domain.shape:
             grower.kinds.setdefault(seed.operands[0], Kind.ROW)
-        grower.try_add(seed) or _add_with_inputs(grower, seed)
+        if not grower.try_add(seed):
+            _add_with_inputs(grower, seed)
     if not grower.ops:
         return None
     while len(grower.ops) < MAX_REGION_OPS:
@@ -285,10 +286,8 @@ def grow(seeds: Iterable[Operation], domain: RowDomain, order: dict[Operation, i
     return region
 
 
-def _add_with_inputs(grower: _Grower, seed: Operation) -> bool:
+def _add_with_inputs(grower: _Grower, seed: Operation) -> None:
     """A seed whose operands are not available is added anyway: its operands become the region's inputs."""
     classified = classify(seed, grower.domain, grower.known)
-    if classified is None:
-        return False
-    grower.add(seed, classified)
-    return True
+    if classified is not None:
+        grower.add(seed, classified)
