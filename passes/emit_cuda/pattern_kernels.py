@@ -1,0 +1,114 @@
+"""The template call behind a `row` or `cross_entropy` `kern.kernel` (match-patterns' glue to `templates`).
+
+`match-patterns` describes a pattern kernel by its family, its row length,
+its template options and its operands by name; this module turns that into
+the `KernelProgram` of `templates` (which `emit-cuda` writes and a device
+launches) and back into what the kernel symbol records:
+
+    kern.kernel @layernorm_f32_768 {kind = "row", family = "layernorm", cols = 768, rows = 8192,
+        eps = 1e-05, weight = true, bias = true, stats = true,
+        operands = ["x", "weight", "bias", "y", "mean", "rstd"],
+        inputs = [...], outputs = [...], grid = [...], block = [...], shared = 0, form = "...", path = "..."}
+
+`operands` names the kernel's inputs then outputs in launch order, the
+template's parameter names, so a launch's operands and results bind to the
+program's parameters by position and each one's dtype is its type's. The
+launch shape recorded on the symbol is the program's first kernel's for the
+symbol's `rows` (a column-summing backward launches a second, `column_sum`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import frozen
+
+from ...dialects.core import Operation, TensorType
+from . import templates
+from .kernel_source import KernelProgram, LaunchShape
+
+#: The row-program template of each family, and the template options it takes.
+ROW_TEMPLATES: dict[str, tuple[Callable[..., KernelProgram], tuple[str, ...]]] = {
+    "softmax": (templates.softmax, ()),
+    "log_softmax": (templates.log_softmax, ()),
+    "layernorm": (templates.layernorm, ("eps", "weight", "bias", "stats")),
+    "rmsnorm": (templates.rmsnorm, ("eps", "weight", "stats")),
+    "softmax_backward": (templates.softmax_backward, ()),
+    "log_softmax_backward": (templates.log_softmax_backward, ()),
+    "layernorm_backward": (templates.layernorm_backward, ("weight", "bias")),
+    "rmsnorm_backward": (templates.rmsnorm_backward, ("weight",)),
+}
+CROSS_ENTROPY_TEMPLATES: dict[str, tuple[Callable[..., KernelProgram], tuple[str, ...]]] = {
+    "forward": (templates.cross_entropy_forward, ("reduction",)),
+    "backward": (templates.cross_entropy_backward, ("grad", "scale", "mean")),
+}
+#: Operand dtypes the templates store (integers only for targets).
+FLOAT_STORAGE = ("f32", "bf16")
+INDEX_STORAGE = ("i32", "i64")
+
+
+@frozen
+class PatternKernel:
+    """A pattern kernel as match-patterns chooses it: kind, family (or direction), row length, options."""
+
+    kind: str
+    family: str
+    cols: int
+    options: Mapping[str, Any]
+
+    def template(self) -> tuple[Callable[..., KernelProgram], tuple[str, ...]]:
+        table = ROW_TEMPLATES if self.kind == "row" else CROSS_ENTROPY_TEMPLATES
+        return table[self.family]
+
+    def program(self, dtypes: Mapping[str, str] | None = None) -> KernelProgram:
+        """The template's program; `dtypes` gives every operand's dtype by name (the defaults when None)."""
+        function, names = self.template()
+        options = tuple((name, self.options[name]) for name in names if name in self.options)
+        return _program(function, self.cols, tuple(sorted((dtypes or {}).items())), options)
+
+    def operands(self) -> tuple[list[str], list[str]]:
+        """The names of the program's inputs and outputs, in launch order."""
+        params = self.program().params
+        return [p.name for p in params if p.role == "input"], [p.name for p in params if p.role == "output"]
+
+    def default_dtypes(self) -> dict[str, str]:
+        return {p.name: p.dtype for p in self.program().params if p.role in ("input", "output")}
+
+    def launch_shape(self, dtypes: Mapping[str, str], rows: int) -> LaunchShape:
+        program = self.program(dtypes)
+        return program.steps[0].kernel.launch(program.all_sizes({"rows": rows}))
+
+    def attributes(self) -> dict[str, Any]:
+        """The symbol attributes that say which template and options (besides signature and launch shape)."""
+        key = "family" if self.kind == "row" else "direction"
+        length = "cols" if self.kind == "row" else "vocab"
+        return {key: self.family, length: self.cols, **self.options}
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(function: Callable[..., KernelProgram], cols: int, dtypes: tuple[tuple[str, str], ...],
+             options: tuple[tuple[str, Any], ...]) -> KernelProgram:
+    """A template's program, made once per specialisation (a model's layers ask for the same one many times)."""
+    return function(cols, dtypes=dict(dtypes) or None, **dict(options))
+
+
+def pattern_kernel(kernel: Operation) -> PatternKernel:
+    """The pattern kernel a `row` or `cross_entropy` `kern.kernel` symbol describes."""
+    attrs = kernel.attributes
+    kind = attrs["kind"]
+    if kind == "row":
+        family, cols, names = attrs["family"], attrs["cols"], ROW_TEMPLATES[attrs["family"]][1]
+    elif kind == "cross_entropy":
+        family, cols, names = attrs["direction"], attrs["vocab"], CROSS_ENTROPY_TEMPLATES[attrs["direction"]][1]
+    else:
+        raise ValueError(f"@{attrs.get('sym_name')} is a {kind} kernel, not a pattern kernel")
+    return PatternKernel(kind, family, cols, {name: attrs[name] for name in names if name in attrs})
+
+
+def kernel_program(kernel: Operation) -> KernelProgram:
+    """The program of a `row` or `cross_entropy` `kern.kernel`, its operands' dtypes taken from its signature."""
+    types: list[TensorType] = [*kernel.attributes["inputs"], *kernel.attributes["outputs"]]
+    dtypes = {name: t.dtype for name, t in zip(kernel.attributes["operands"], types)}
+    return pattern_kernel(kernel).program(dtypes)

@@ -1,0 +1,367 @@
+"""`match-patterns`: row programs and the cross-entropy tail recognised from their math, as kernel launches.
+
+The first pass of the CUDA lowering (`fuse`, `plan-buffers` and `emit-cuda`
+follow). In every `graph.func` it finds the regions whose math is one of the
+pattern families — softmax, log-softmax, layernorm, rmsnorm along the last
+axis and their backwards, and the cross-entropy tail (logits and integer
+targets to the loss, forward and backward) — however the math was written,
+and replaces each by a `kern.launch` of a module-level `kern.kernel` symbol
+(`kind = "row"` with its `family`, or `kind = "cross_entropy"` with its
+`direction`; identical kernels are one symbol). How: a region is grown
+structurally from each reduction along one axis (`patterns/regions.py`),
+then its math is confirmed by evaluating it in float64 on random rows and
+comparing with each family's formula under every binding of its values by
+role (`patterns/families.py`); the form it was written in is read off the
+match (`patterns/forms.py`). docs/cuda.md, section "Pattern families", has
+the families, the forms and how to read a `fell back`.
+
+Guarantees: a replaced region's values that anything else reads are the
+kernel's outputs (reshaped to the graph's shapes; a backward's `dx` added to
+the gradient it was accumulated into; a loss multiplied by what the
+template's sum or mean leaves over); float casts at a region's boundary are
+absorbed into the kernel's operand and result dtypes; everything else is
+left as it was. A region matched but not taken — rows along another axis, a
+dtype the templates do not store, an observation of a value inside it, an
+intermediate value read elsewhere — is left to `fuse` and recorded with its
+reason.
+
+Facts: `unit.facts["lowering"]["patterns"][graph][family]` = `{"group",
+"direction", "kernels", "fired", "paths", "as", "fell_back"}` (see
+`pattern_facts`). Option `remarks` prints one line per region on standard
+error: the kernel it became, or `fell back` and why.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from attrs import define
+
+from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value
+from ..dialects.graph import graph_funcs
+from ..dialects.kern import kernel_attributes
+from ..dialects.printer import print_attr_dict
+from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
+from .emit_cuda.pattern_kernels import FLOAT_STORAGE
+from .manager import CompilationUnit, Pass, register_pass
+from .patterns.domain import is_float_cast
+from .patterns.families import Match
+from .patterns.forms import kernel_form
+from .patterns.memo import MatchCache
+from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
+
+#: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
+ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
+COLUMN_OPERANDS = frozenset({"weight", "bias", "dweight", "dbias"})
+PER_ROW_OPERANDS = frozenset({"mean", "rstd", "lse", "losses", "targets"})
+#: Report groups of the families.
+GROUPS = {"row": "row programs", "cross_entropy": "cross-entropy tail"}
+
+
+@register_pass
+@define
+class MatchPatterns(Pass):
+    """Replaces softmax, log-softmax, layernorm, rmsnorm (and backwards) and the cross-entropy tail by pattern
+    kernel launches, recognised from their math; records what fired and what fell back (module docstring)."""
+
+    name = "match-patterns"
+    summary = "replace row programs and the cross-entropy tail, recognised from their math, by kernel launches"
+    remarks: bool = False
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = unit.require_module(self.name)
+        kernels = KernelTable(module)
+        facts = unit.facts.setdefault("lowering", {}).setdefault("patterns", {})
+        cache = MatchCache()
+        for func in graph_funcs(module):
+            block = func.regions[0].blocks[0]
+            plans = plan_matches(block, find_matches(block, cache))
+            name = func.attributes["sym_name"]
+            if not plans:
+                facts[name] = {}
+                continue
+            replace = ReplaceRegions(block, plans, kernels)
+            GreedyRewriteDriver([replace]).rewrite_block(block)
+            facts[name] = pattern_facts(plans, replace.symbols)
+            if self.remarks:
+                for plan in plans:
+                    print(remark(name, plan, replace.symbols.get(plan)), file=sys.stderr)
+
+
+def remark(graph: str, plan: Plan, symbol: str | None) -> str:
+    where = f"{plan.loc}: " if plan.loc is not None else ""
+    what = f"{_display(plan.family)} at {plan.path or '(no path)'} in @{graph}"
+    if plan.taken:
+        forms = "".join(f"; as {form}" for form in plan.match.forms)
+        return f"{where}remark: {what}: kernel @{symbol}{forms}"
+    return f"{where}remark: {what}: fell back: {plan.reason}"
+
+
+def _display(family: str) -> str:
+    return family.replace("cross_entropy_", "cross-entropy ").replace("_backward", " backward").replace("_", "-")
+
+
+def pattern_facts(plans: list[Plan], symbols: dict[Plan, str]) -> dict[str, dict[str, Any]]:
+    """Per family: its report group, direction, kernels, how often it fired, the model paths of its regions,
+    the `as` forms found, and the regions that fell back with their reasons."""
+    facts: dict[str, dict[str, Any]] = {}
+    for plan in plans:
+        entry = facts.setdefault(plan.family, {
+            "group": GROUPS[plan.match.kind], "direction": plan.match.direction, "kernels": [], "fired": 0,
+            "paths": [], "as": [], "fell_back": []})
+        if plan.taken:
+            symbol = symbols[plan]
+            if symbol not in entry["kernels"]:
+                entry["kernels"].append(symbol)
+            entry["fired"] += 1
+            entry["paths"].append(plan.path)
+            entry["as"].extend(form for form in plan.match.forms if form not in entry["as"])
+        else:
+            entry["fell_back"].append({"path": plan.path, "reason": plan.reason,
+                                       "loc": plan.loc.short() if plan.loc is not None else None})
+    return facts
+
+
+class KernelTable:
+    """The module's `kern.kernel` symbols: one per distinct kernel, named after its family, dtype and row length."""
+
+    def __init__(self, module: Operation) -> None:
+        self.module = module
+        self.by_attributes: dict[str, str] = {}
+        self.names: set[str] = set()
+        for op in module.body.ops:
+            if op.name == "kern.kernel":
+                self.names.add(op.attributes["sym_name"])
+                self.by_attributes.setdefault(_key(op.attributes), op.attributes["sym_name"])
+
+    def symbol(self, stem: str, attributes: dict[str, Any], loc) -> str:
+        """The symbol of the kernel with these attributes, created before the first graph when new."""
+        key = _key(attributes)
+        if key in self.by_attributes:
+            return self.by_attributes[key]
+        name, n = stem, 1
+        while name in self.names:
+            n += 1
+            name = f"{stem}_{n}"
+        anchor = next((op for op in self.module.body.ops if op.name == "graph.func"), None)
+        Builder(self.module.body, anchor=anchor).create(
+            "kern.kernel", [], {"sym_name": name, **attributes}, result_types=[], loc=loc)
+        self.names.add(name)
+        self.by_attributes[key] = name
+        return name
+
+
+def _variant(options: dict[str, Any]) -> str:
+    """What sets a kernel apart from its family's plain one, for its symbol's name."""
+    flags = [name for name in ("stats", "mean") if options.get(name)]
+    flags += [f"no{name}" for name in ("weight", "bias") if options.get(name) is False]
+    flags += [options["reduction"]] if options.get("reduction") else []
+    flags += ["rowgrad"] if options.get("grad") == "row" else []
+    return "".join(f"_{flag}" for flag in flags)
+
+
+def _key(attributes: dict[str, Any]) -> str:
+    """What makes two pattern kernels one: everything but the symbol, the model path and the form it was
+    recognised in (descriptions of a region, not of the code)."""
+    same = kernel_attributes(Operation.create("kern.kernel", attributes=attributes))
+    return print_attr_dict({k: v for k, v in same.items() if k != "form"})
+
+
+class ReplaceRegions(RewritePattern):
+    """When the driver reaches the first op of a taken plan's slice, its kernel launch replaces the slice."""
+
+    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable) -> None:
+        self.pending = {plan.match.slice[0]: plan for plan in plans if plan.taken}
+        #: Block order, for placing launches: ops inserted before an op take places just before it.
+        self.position: dict[Operation, float] = {op: float(i) for i, op in enumerate(block.ops)}
+        self.kernels = kernels
+        self.symbols: dict[Plan, str] = {}
+        #: Each replaced match's kernel outputs by operand name (a backward reads its forward's).
+        self.outputs: dict[Match, dict[str, Value]] = {}
+        #: The values replaced so far and what replaced them (matches found before rewriting hold the old ones).
+        self.replaced: dict[Value, Value] = {}
+        #: The reshapes made into kernel layouts, by value and shape.
+        self.reshapes: dict[tuple[Value, tuple[int, ...]], Value] = {}
+
+    def current(self, value: Value) -> Value:
+        while value in self.replaced:
+            value = self.replaced[value]
+        return value
+
+    def anchor(self, match: Match, operands: list[Value]) -> Operation | None:
+        """The op to insert the launch before: the slice's first op, or later when an operand is defined later;
+        None when a reader of one of the launch's outputs comes before that."""
+        position = self.position
+        anchor: Operation | None = match.slice[0]
+        for value in operands:
+            if value.op is not None and value.op in position and position[value.op] >= position[anchor]:
+                anchor = value.op.next_op
+                if anchor is None:
+                    return None
+        inside = set(match.slice)
+        for value in match.output_values():
+            if any(user not in inside and position.get(user, -1.0) < position[anchor] for user in value.users()):
+                return None
+        return anchor
+
+    def create(self, rewriter: PatternRewriter, name: str, operands: list[Value], attributes: dict[str, Any],
+               types: list[TensorType], loc, anchor: Operation) -> Operation:
+        """An op made through the rewriter before `anchor`, given its place in the block order."""
+        op = rewriter.create(name, operands, attributes, types, loc, before=anchor)
+        previous = op.prev_op
+        low = self.position[previous] if previous is not None and previous in self.position else -1.0
+        self.position[op] = (low + self.position[anchor]) / 2
+        return op
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
+        plan = self.pending.pop(op, None)
+        if plan is None:
+            return False
+        _Launch(self, plan, rewriter).build()
+        return True
+
+
+@define(eq=False)
+class _Launch:
+    """Builds one plan's launch: operands reshaped to the kernel's layout, results back to the graph's."""
+
+    owner: ReplaceRegions
+    plan: Plan
+    rewriter: PatternRewriter
+
+    def build(self) -> None:
+        plan, match = self.plan, self.plan.match
+        forward = match.forward
+        if forward is not None and forward not in self.owner.outputs:
+            # Its forward was not replaced after all (no launch position): it reads the forward's values.
+            missing = [role for role in match.stats if not forward.outputs.get(role)]
+            if missing:
+                plan.reason = f"its forward fell back, and no value holds the {' and '.join(missing)} its kernel reads"
+                return
+        kernel = plan.kernel()
+        input_names, output_names = kernel.operands()
+        sources = {name: self.owner.current(self.source(name)) for name in input_names}
+        accumulate = self.owner.current(match.accumulate) if match.accumulate is not None else None
+        anchor = self.owner.anchor(match, [*sources.values(), *([accumulate] if accumulate is not None else [])])
+        if anchor is None:
+            plan.reason = "its operands are defined after a use of its results"
+            return
+        rows, cols = match.region.domain.rows, match.region.domain.cols
+        outputs = {name: self.output_dtype(name) for name in output_names}
+        dtypes = {name: value.type.dtype for name, value in sources.items()} | {n: d for n, (d, _) in outputs.items()}
+        in_types = [self.layout(name, sources[name].type.dtype) for name in input_names]
+        out_types = [self.layout(name, outputs[name][0]) for name in output_names]
+        shape = kernel.launch_shape(dtypes, rows)
+        attributes = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
+                      "operands": [*input_names, *output_names], "inputs": in_types, "outputs": out_types,
+                      "grid": list(shape.grid), "block": list(shape.block), "shared": shape.shared_bytes,
+                      "path": plan.path}
+        data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
+        stem = f"{plan.family}_{data}_{cols}{_variant(kernel.options)}"
+        symbol = self.owner.kernels.symbol(stem, attributes, match.slice[0].loc)
+        self.owner.symbols[plan] = symbol
+        operands = [self.reshaped(sources[name], t, anchor) for name, t in zip(input_names, in_types)]
+        launch = self.owner.create(self.rewriter, "kern.launch", operands, {"kernel": SymbolRef(symbol), "path": plan.path},
+                                   out_types, match.slice[0].loc, anchor)
+        for value in plan.recomputed:
+            self.rewriter.replace_all_uses_with(value, self.recompute(value, anchor))
+        results = dict(zip(output_names, launch.results))
+        self.owner.outputs[match] = results
+        for name, result in results.items():
+            for value in outputs[name][1]:
+                new = self.replacement(name, result, value, anchor, accumulate)
+                self.rewriter.replace_all_uses_with(value, new)
+                self.owner.replaced[value] = new
+
+    @property
+    def stamp(self) -> dict[str, str]:
+        """The model path the ops made for the launch carry (none for a region outside the model)."""
+        return {"path": self.plan.path} if self.plan.path else {}
+
+    def recompute(self, value: Value, anchor: Operation) -> Value:
+        """A copy of the ops computing `value` from the kernel's inputs, for the readers outside the region."""
+        copies: dict[Value, Value] = {}
+        ops = recomputable(self.plan.match, value)
+        assert ops is not None
+        for op in ops:
+            operands = [copies.get(v, self.owner.current(v)) for v in op.operands]
+            copy = self.owner.create(self.rewriter, op.name, operands, dict(op.attributes),
+                                     [r.type for r in op.results], op.loc, anchor)
+            copies[op.result] = copy.result
+        return copies[value]
+
+    def source(self, name: str) -> Value:
+        """The graph value a kernel input reads: the match's own, its forward's, or the forward's kernel output."""
+        match = self.plan.match
+        forward = match.forward
+        own = {"logits": "x"}.get(name, name) if match.family == "cross_entropy" else name
+        if own in match.inputs:
+            return storage(match.inputs[own])
+        if forward is not None and name in match.stats:
+            replaced = self.owner.outputs.get(forward)
+            return replaced[name] if replaced is not None else forward.outputs[name][0]
+        if forward is not None and own in forward.inputs:
+            return storage(forward.inputs[own])
+        if name == "dloss":
+            const = self.owner.create(self.rewriter, "graph.const", [], {"value": 1.0}, [TensorType((), "f32")],
+                                      match.slice[0].loc, match.slice[0])
+            return const.result
+        raise AssertionError(f"no value for the {name} of a {self.plan.family} kernel")
+
+    def output_dtype(self, name: str) -> tuple[str, list[Value]]:
+        """The dtype the kernel writes an output in, and the graph values that output replaces.
+
+        A data output every outside reader of which casts to one other float dtype is written in that dtype
+        (the casts' results are replaced); statistics nothing reads are f32.
+        """
+        values = self.plan.match.outputs.get(name, [])
+        if not values:
+            return "f32", []
+        inside = set(self.plan.match.slice)
+        if name in DATA_OUTPUTS and self.plan.match.accumulate is None:
+            readers = [u for v in values for u in v.users() if u not in inside]
+            dtypes = {u.attributes["dtype"] for u in readers if is_float_cast(u)}
+            if readers and len(dtypes) == 1 and all(is_float_cast(u) for u in readers):
+                (dtype,) = dtypes
+                if dtype in FLOAT_STORAGE and dtype != values[0].type.dtype:
+                    return dtype, [u.result for u in readers]
+        return values[0].type.dtype, values
+
+    def layout(self, name: str, dtype: str) -> TensorType:
+        domain = self.plan.match.region.domain
+        if name in ROW_OPERANDS:
+            return TensorType((domain.rows, domain.cols), dtype)
+        if name in COLUMN_OPERANDS:
+            return TensorType((domain.cols,), dtype)
+        if name in PER_ROW_OPERANDS or (name == "dloss" and self.plan.options.get("grad") == "row"):
+            return TensorType((domain.rows,), dtype)
+        return TensorType((), dtype)
+
+    def reshaped(self, value: Value, target: TensorType, anchor: Operation) -> Value:
+        """`value` in the kernel's layout: a reshape (one per value and shape, shared by a forward and its
+        backward)."""
+        if value.type.shape == target.shape:
+            return value
+        key = (value, target.shape)
+        if key not in self.owner.reshapes:
+            op = self.owner.create(self.rewriter, "graph.reshape", [value], {**self.stamp, "shape": list(target.shape)},
+                                   [value.type.with_shape(target.shape)], anchor.loc, anchor)
+            self.owner.reshapes[key] = op.result
+        return self.owner.reshapes[key]
+
+    def replacement(self, name: str, result: Value, value: Value, anchor: Operation, accumulate: Value | None) -> Value:
+        """The kernel's output in `value`'s shape, added to the accumulated gradient or scaled as the loss was."""
+        new = self.reshaped(result, value.type, anchor)
+        match = self.plan.match
+        if name == "dx" and accumulate is not None:
+            add = self.owner.create(self.rewriter, "graph.add", [accumulate, new], dict(self.stamp), [value.type],
+                                    anchor.loc, anchor)
+            new = add.result
+        if name == "loss" and loss_factor(match) != 1.0:
+            factor = self.owner.create(self.rewriter, "graph.const", [], {**self.stamp, "value": loss_factor(match)},
+                                       [value.type], anchor.loc, anchor)
+            mul = self.owner.create(self.rewriter, "graph.mul", [new, factor.result], dict(self.stamp), [value.type],
+                                    anchor.loc, anchor)
+            new = mul.result
+        return new
