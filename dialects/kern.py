@@ -229,6 +229,18 @@ class FillOp(OpDef):
 
 
 @register_op
+class SourceOp(OpDef):
+    """`kern.source {text, kernels}`: the CUDA translation unit `emit-cuda` wrote for the module's kernels."""
+
+    name = "kern.source"
+    family = "kernel"
+    num_operands = 0
+    num_results = 0
+    required_attrs = ("text",)
+    pure = False
+
+
+@register_op
 class YieldOp(OpDef):
     """`kern.yield %a, %b`: the scalar results of one element of a kernel body."""
 
