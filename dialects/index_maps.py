@@ -31,15 +31,13 @@ exists where `0 <= expr < size`) and `fill` (its value elsewhere).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-from attrs import evolve, frozen
+from typing import Any, NamedTuple
 
 
-@frozen(order=True)
-class Term:
+class Term(NamedTuple):
     """`coeff · ((i_axis // div) % mod)`; `mod = 0` means no modulus."""
 
     axis: int
@@ -48,8 +46,7 @@ class Term:
     coeff: int
 
 
-@frozen(order=True)
-class Gather:
+class Gather(NamedTuple):
     """`coeff · idx`, idx the element of index operand `source` (an opaque key until a kernel
     numbers its inputs) at this domain index, made non-negative by adding `dim` (as numpy takes)."""
 
@@ -58,8 +55,7 @@ class Gather:
     coeff: int
 
 
-@frozen
-class Expr:
+class Expr(NamedTuple):
     """`const + Σ terms + Σ gathers` over a domain of the given sizes, in canonical form."""
 
     sizes: tuple[int, ...]
@@ -76,33 +72,50 @@ class Expr:
     @classmethod
     def axis(cls, sizes: Sequence[int], axis: int, coeff: int = 1) -> Expr:
         """`coeff · i_axis`."""
-        return cls(tuple(sizes), (), 0).plus_terms([Term(axis, 1, 0, coeff)])
+        sizes = tuple(sizes)
+        if coeff == 0 or sizes[axis] <= 1:
+            return cls(sizes)
+        return cls(sizes, (Term(axis, 1, 0, coeff),))
 
     @classmethod
     def flat(cls, sizes: Sequence[int], axes: Sequence[int] | None = None) -> Expr:
         """The row-major position of the domain index over `axes` (default all): Σ i_a · stride_a."""
         axes = list(range(len(sizes))) if axes is None else list(axes)
-        expr = cls.constant(sizes, 0)
+        terms = []
         stride = 1
         for a in reversed(axes):
-            expr = expr + cls.axis(sizes, a, stride)
+            terms.append(Term(a, 1, 0, stride))
             stride *= sizes[a]
-        return expr
+        return _canonical(tuple(sizes), terms, 0, ())
+
+    @classmethod
+    def sum(cls, sizes: Sequence[int], parts: Sequence[Expr], const: int = 0) -> Expr:
+        """The sum of `parts` (and `const`), canonicalised once."""
+        terms: list[Term] = []
+        gathers: list[Gather] = []
+        for part in parts:
+            terms += part.terms
+            gathers += part.gathers
+            const += part.const
+        return _canonical(tuple(sizes), terms, const, tuple(gathers))
 
     def plus_terms(self, terms: Sequence[Term]) -> Expr:
         return _canonical(self.sizes, [*self.terms, *terms], self.const, self.gathers)
 
-    def __add__(self, other: Expr | int) -> Expr:
+    def __add__(self, other: Expr | int) -> Expr:  # type: ignore[override]
         if isinstance(other, int):
-            return evolve(self, const=self.const + other)
+            return self._replace(const=self.const + other)
         return _canonical(self.sizes, [*self.terms, *other.terms], self.const + other.const,
                           (*self.gathers, *other.gathers))
 
     def scaled(self, factor: int) -> Expr:
+        """`factor · self` (scaling keeps the canonical form: the merge rule is scale-invariant)."""
         if factor == 0:
-            return Expr.constant(self.sizes, 0)
-        return _canonical(self.sizes, [evolve(t, coeff=t.coeff * factor) for t in self.terms], self.const * factor,
-                          tuple(evolve(g, coeff=g.coeff * factor) for g in self.gathers))
+            return Expr(self.sizes)
+        if factor == 1:
+            return self
+        return Expr(self.sizes, tuple(t._replace(coeff=t.coeff * factor) for t in self.terms), self.const * factor,
+                    tuple(g._replace(coeff=g.coeff * factor) for g in self.gathers))
 
     @classmethod
     def gathered(cls, sizes: Sequence[int], source: Any, dim: int) -> Expr:
@@ -147,13 +160,6 @@ class Expr:
                 stride += t.coeff
         return stride
 
-    def without_axes(self, axes: set[int]) -> Expr:
-        """The expression at index 0 of `axes` (what an epilogue reads once per kept element)."""
-        return _canonical(self.sizes, [t for t in self.terms if t.axis not in axes], self.const, self.gathers)
-
-    def map_gathers(self, rename: Mapping[Any, Any]) -> Expr:
-        return evolve(self, gathers=tuple(sorted(evolve(g, source=rename[g.source]) for g in self.gathers)))
-
     # -- division ---------------------------------------------------------------------------
 
     def divmod(self, divisor: int) -> tuple[Expr, Expr] | None:
@@ -171,7 +177,7 @@ class Expr:
         low: list[Term] = []
         for t in self.terms:
             if t.coeff % divisor == 0:
-                high.append(evolve(t, coeff=t.coeff // divisor))
+                high.append(t._replace(coeff=t.coeff // divisor))
                 continue
             span = self.term_range(t)
             if t.coeff * (span - 1) < divisor:
@@ -188,7 +194,7 @@ class Expr:
         low_gathers: list[Gather] = []
         for g in self.gathers:
             if g.coeff % divisor == 0:
-                high_gathers.append(evolve(g, coeff=g.coeff // divisor))
+                high_gathers.append(g._replace(coeff=g.coeff // divisor))
             elif g.coeff * (g.dim - 1) < divisor:
                 low_gathers.append(g)
             else:
@@ -243,34 +249,39 @@ def _canonical(sizes: tuple[int, ...], terms: Sequence[Term], const: int, gather
         mod = t.mod if t.mod and t.mod < reach else 0
         if (mod or reach) <= 1:
             continue
-        by_axis.setdefault(t.axis, []).append(Term(t.axis, t.div, mod, t.coeff))
+        if mod != t.mod:
+            t = Term(t.axis, t.div, mod, t.coeff)
+        by_axis.setdefault(t.axis, []).append(t)
     merged: list[Term] = []
-    for axis_terms in by_axis.values():
-        axis_terms.sort(key=lambda t: (t.div, t.coeff))
-        changed = True
-        while changed:
-            changed = False
-            combined: dict[tuple[int, int, int], int] = {}
-            for t in axis_terms:  # equal (div, mod) parts add their coefficients
-                combined[(t.div, t.mod, 0)] = combined.get((t.div, t.mod, 0), 0) + t.coeff
-            axis_terms = sorted((Term(axis_terms[0].axis, d, m, c) for (d, m, _), c in combined.items() if c),
-                                key=lambda t: (t.div, t.coeff))
-            for a in axis_terms:
-                if not a.mod:
-                    continue
-                for b in axis_terms:
-                    if b is a or b.div != a.div * a.mod or b.coeff != a.coeff * a.mod:
-                        continue
-                    reach = -(-sizes[a.axis] // a.div)
+    for axis, axis_terms in by_axis.items():
+        merged += axis_terms if len(axis_terms) == 1 else _merge_axis(sizes[axis], axis_terms)
+    merged.sort()
+    return Expr(sizes, tuple(merged), const, tuple(g for g in gathers if g.coeff))
+
+
+def _merge_axis(size: int, terms: list[Term]) -> list[Term]:
+    """One axis's terms: equal (div, mod) parts added, adjacent digit ranges joined."""
+    while True:
+        combined: dict[tuple[int, int], int] = {}
+        for t in terms:
+            combined[(t.div, t.mod)] = combined.get((t.div, t.mod), 0) + t.coeff
+        terms = [Term(terms[0].axis, d, m, c) for (d, m), c in combined.items() if c]
+        joined = None
+        for a in terms:
+            if not a.mod:
+                continue
+            for b in terms:
+                if b is not a and b.div == a.div * a.mod and b.coeff == a.coeff * a.mod:
+                    reach = -(-size // a.div)
                     mod = a.mod * b.mod if b.mod else 0
-                    joined = Term(a.axis, a.div, mod if mod and mod < reach else 0, a.coeff)
-                    axis_terms = [t for t in axis_terms if t is not a and t is not b] + [joined]
-                    changed = True
+                    joined = (a, b, Term(a.axis, a.div, mod if mod and mod < reach else 0, a.coeff))
                     break
-                if changed:
-                    break
-        merged += axis_terms
-    return Expr(sizes, tuple(sorted(merged)), const, tuple(sorted(g for g in gathers if g.coeff)))
+            if joined:
+                break
+        if joined is None:
+            return terms
+        a, b, term = joined
+        terms = [t for t in terms if t is not a and t is not b] + [term]
 
 
 def row_major_strides(shape: Sequence[int]) -> list[int]:
@@ -311,28 +322,40 @@ def reshape_groups(source: Sequence[int], target: Sequence[int]) -> list[tuple[l
 def reshape_index(source: Sequence[int], target: Sequence[int], index: Sequence[Expr]) -> list[Expr] | None:
     """The index into `source` (shape before a reshape) of the element at `index` of `target`
     (the reshaped shape), axis by axis; None when a merged axis cannot be split again."""
+    moved = _reshape_index(tuple(source), tuple(target), tuple(index))
+    return None if moved is None else list(moved)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reshape_index(source: tuple[int, ...], target: tuple[int, ...], index: tuple[Expr, ...]) -> tuple[Expr, ...] | None:
     groups = reshape_groups(source, target)
     if groups is None:
         return None
     sizes = index[0].sizes if index else ()
     result: list[Expr | None] = [None] * len(source)
     for src, dst in groups:
-        position = Expr.constant(sizes, 0)
+        if len(src) == 1 and len(dst) == 1:
+            result[src[0]] = index[dst[0]]
+            continue
+        parts = []
         stride = 1
         for axis in reversed(dst):
-            position = position + index[axis].scaled(stride)
+            parts.append(index[axis].scaled(stride))
             stride *= target[axis]
+        position = Expr.sum(sizes, parts)
         for axis in reversed(src):
             split = position.divmod(source[axis])
             if split is None:
                 return None
             position, result[axis] = split
-    return [r if r is not None else Expr.constant(sizes, 0) for r in result]
+    return tuple(r if r is not None else Expr(tuple(sizes)) for r in result)
 
 
 def storage_offset(shape: Sequence[int], index: Sequence[Expr], sizes: Sequence[int]) -> Expr:
     """The offset in row-major storage of `shape` of the element at `index`."""
-    offset = Expr.constant(sizes, 0)
-    for stride, part in zip(row_major_strides(shape), index):
-        offset = offset + part.scaled(stride)
-    return offset
+    return _storage_offset(tuple(shape), tuple(index), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _storage_offset(shape: tuple[int, ...], index: tuple[Expr, ...], sizes: tuple[int, ...]) -> Expr:
+    return Expr.sum(sizes, [part.scaled(stride) for stride, part in zip(row_major_strides(shape), index)])

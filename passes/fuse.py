@@ -48,7 +48,7 @@ from typing import Any
 
 from attrs import define
 
-from ..diagnostics import UsageError
+from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
 from ..dialects.graph import func_kind, op_axis, transpose_perm
@@ -130,7 +130,7 @@ class KernelTable:
                 self.symbols[op.attributes["sym_name"]] = op
         self._by_text: dict[str, str] = {}
 
-    def intern(self, attributes: dict[str, Any], body: Any, stem: str) -> str:
+    def intern(self, attributes: dict[str, Any], body: Any, stem: str, loc: Location | None = None) -> str:
         """The symbol of the kernel with these attributes and body (its path aside), made when new."""
         op = Operation.create("kern.kernel", attributes={k: v for k, v in attributes.items() if k != "path"},
                               regions=[body] if body is not None else [])
@@ -141,6 +141,7 @@ class KernelTable:
         digest = hashlib.sha256(text.encode()).hexdigest()[:8]
         symbol = f"{stem}_{digest}"
         op.attributes.update(sym_name=symbol, path=attributes["path"])
+        op.loc = loc
         op.verify_one()
         self._by_text[text] = symbol
         self.symbols[symbol] = op
@@ -243,6 +244,8 @@ def _check_lowerable(block: Block) -> None:
         if op.name in _KEPT or op.name in INDEX_VIEWS or op.name in ("graph.const", "graph.matmul",
                                                                      "graph.scatter_add", "kern.copy", "kern.fill"):
             continue
+        if op.name == "graph.pow" and op.result.type.dtype not in ("f32", "bf16"):
+            raise VerifyError(f"the CUDA lowering takes pow of floats, not of {op.result.type.dtype}", op)
         if op.name == "graph.scatter_add_along" and not is_fusible(op):
             raise VerifyError(f"the CUDA lowering takes a scatter-add-along of at most 16 indices per row, "
                               f"not {op.operands[0].type.shape[op_axis(op)]}", op)
@@ -399,7 +402,7 @@ def lower_scatter_add(op: Operation, kernels: KernelTable) -> None:
     attributes.update(launch.attributes(), sizes=sizes)
     if scratch:
         attributes["scratch"] = scratch
-    symbol = kernels.intern(attributes, None, "scatter_add")
+    symbol = kernels.intern(attributes, None, "scatter_add", op.loc)
     result = _create("kern.launch", [indices, source], {"kernel": SymbolRef(symbol), "path": path}, op, [out]).result
     if axis:
         unmoved = _reshape(result, [dim, *before, *after], op)
@@ -442,6 +445,8 @@ class Group:
     descendants: int = 0
     plan: GroupPlan | None = None
     alive: bool = True
+    #: Bumped by every merge into this group (so a failed merge is not tried again unchanged).
+    version: int = 0
 
     @property
     def size(self) -> int:
@@ -461,6 +466,8 @@ class Fusion:
                 self.escapes.update(free_view_root(v) for v in op.operands)
         self.groups: list[Group] = []
         self.group_of: dict[Operation, Group] = {}
+        #: view_sources of the block's values (the block does not change while groups form).
+        self.sources: dict[Value, list[Value]] = {}
         for op in block.ops:
             if is_fusible(op) or op.name in _BARRIERS:
                 group = Group([op], is_fusible(op), len(self.groups))
@@ -471,7 +478,7 @@ class Fusion:
             op = group.ops[0]
             found = set()
             for operand in op.operands:
-                for source in view_sources(operand):
+                for source in view_sources(operand, self.sources):
                     if source.op is not None and source.op in self.group_of:
                         found.add(source.op)
             group.mask = 1 << group.index
@@ -484,11 +491,13 @@ class Fusion:
                 group.descendants |= reader.descendants | reader.mask
         #: The groups of more than one op (the only ones that add paths op ancestry does not show).
         self.fused: list[Group] = []
+        #: Merges found illegal, by the groups' indices and versions.
+        self.refused: set[tuple[int, int, int, int]] = set()
 
     def run(self) -> list[Group]:
         for group in self.groups:
             if group.fusible:
-                group.plan = plan_group(group.ops, self.escapes)
+                group.plan = plan_group(group.ops, self.escapes, self.sources)
                 if group.plan is None:
                     raise VerifyError(f"the CUDA lowering found no kernel for '{group.ops[0].name}'", group.ops[0])
         for _ in range(32):
@@ -528,7 +537,7 @@ class Fusion:
                 continue
             for op in group.ops:
                 for operand in op.operands:
-                    for source in view_sources(operand):
+                    for source in view_sources(operand, self.sources):
                         producer = self.group_of.get(source.op) if source.op is not None else None
                         if producer is group:
                             continue
@@ -545,10 +554,15 @@ class Fusion:
     def _legal(self, a: Group, b: Group) -> GroupPlan | None:
         if self.cap is not None and a.size + b.size > self.cap:
             return None
-        if self._creates_cycle(a, b):
+        key = (a.index, a.version, b.index, b.version)
+        if key in self.refused:
             return None
-        ops = sorted([*a.ops, *b.ops], key=self.position.__getitem__)
-        return plan_group(ops, self.escapes)
+        plan = None
+        if not self._creates_cycle(a, b):
+            plan = plan_group(sorted([*a.ops, *b.ops], key=self.position.__getitem__), self.escapes, self.sources)
+        if plan is None:
+            self.refused.add(key)
+        return plan
 
     def _creates_cycle(self, a: Group, b: Group) -> bool:
         """Whether some other group lies on a path from one of `a`, `b` to the other.
@@ -577,6 +591,7 @@ class Fusion:
         a.ancestors = (a.ancestors | b.ancestors) & ~a.mask
         a.descendants = (a.descendants | b.descendants) & ~a.mask
         a.plan = plan
+        a.version += 1
         b.alive = False
         for op in b.ops:
             self.group_of[op] = a
@@ -616,7 +631,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
         attributes["kind"] = "copy"
         launch, sizes, _ = plan_template("copy", attributes)
         attributes.update(launch.attributes())
-        symbol = kernels.intern(attributes, None, "copy")
+        symbol = kernels.intern(attributes, None, "copy", plan.ops[0].loc)
     else:
         if plan.reduce_axes:
             kind = "reduction"
@@ -626,7 +641,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
         index_exprs = [op.attributes["expr"] for op in body.blocks[0].ops if op.name == "kern.index"]
         launch = plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs)
         attributes.update(launch.attributes())
-        symbol = kernels.intern(attributes, body, _stem(plan, kind))
+        symbol = kernels.intern(attributes, body, _stem(plan, kind), plan.ops[0].loc)
     members = set(plan.ops)
     op = _create("kern.launch", [launched.get(a.root, a.root) for a in plan.inputs],
                  {"kernel": SymbolRef(symbol), "path": path}, plan.ops[-1], outputs)
@@ -649,7 +664,7 @@ def _launch_fill(op: Operation, kernels: KernelTable, path_of: dict[Operation, s
                                   "outputs": [op.result.type], "path": path_of.get(op, "")}
     launch, _, _ = plan_template("fill", attributes)
     attributes.update(launch.attributes())
-    symbol = kernels.intern(attributes, None, f"fill_{op.result.type.dtype}")
+    symbol = kernels.intern(attributes, None, f"fill_{op.result.type.dtype}", op.loc)
     new = _create("kern.launch", [], {"kernel": SymbolRef(symbol), "path": attributes["path"]}, op,
                   [op.result.type])
     new.result.name_hint = op.result.name_hint

@@ -68,9 +68,15 @@ def free_view_root(value: Value) -> Value:
     return value
 
 
-def view_sources(value: Value) -> list[Value]:
-    """The non-view values a read of `value` reaches through views (a gather's indices too)."""
-    found: list[Value] = []
+def view_sources(value: Value, cache: dict[Value, list[Value]] | None = None) -> list[Value]:
+    """The non-view values a read of `value` reaches through views (a gather's indices too);
+    `cache` keeps the answers of a graph that does not change meanwhile."""
+    if cache is not None:
+        found = cache.get(value)
+        if found is None:
+            found = cache[value] = view_sources(value)
+        return found
+    found = []
     stack = [value]
     while stack:
         v = stack.pop()
@@ -329,28 +335,31 @@ def _read_outside(value: Value, members: set[Operation]) -> bool:
     return False
 
 
-def _epilogue(ops: Sequence[Operation], members: set[Operation]) -> set[Operation]:
+def _epilogue(ops: Sequence[Operation], members: set[Operation], sources: dict[Value, list[Value]] | None
+              ) -> set[Operation]:
     """The group's ops that read a reduction's result (directly or through other such ops)."""
     after: set[Operation] = set()
     for op in ops:
         for operand in op.operands:
-            for source in view_sources(operand):
+            for source in view_sources(operand, sources):
                 producer = source.op
                 if producer in members and (producer.name in _REDUCE_OPS or producer in after):
                     after.add(op)
     return after
 
 
-def plan_group(ops: Sequence[Operation], escapes: set[Value]) -> GroupPlan | None:
+def plan_group(ops: Sequence[Operation], escapes: set[Value],
+               sources: dict[Value, list[Value]] | None = None) -> GroupPlan | None:
     """A kernel computing `ops` (in block order), or None when they cannot share one.
 
-    `escapes`: values the graph returns or emits (always outputs).
+    `escapes`: values the graph returns or emits (always outputs); `sources` a cache of
+    `view_sources` for the graph.
     """
     ops = list(ops)
     members = set(ops)
     outputs = _outputs(ops, members, escapes)
     reductions = [op for op in ops if op.name in _REDUCE_OPS]
-    epilogue = _epilogue(ops, members)
+    epilogue = _epilogue(ops, members, sources) if reductions else set()
     if reductions:
         first = reductions[0]
         domain = first.operands[0].type.shape
@@ -450,9 +459,14 @@ def build_body(plan: GroupPlan) -> Region:
             literals[key] = b.create("graph.const", (), {"value": value}, [TensorType((), dtype)]).result
         return literals[key]
 
+    positions: dict[tuple[Expr, str], Value] = {}
+
     def index(op: Operation, dtype: str) -> Value:
-        position = b.create("kern.index", (), {"expr": plan.index_exprs[op].attribute()}).result
-        return position if dtype == "i32" else b.value("graph.cast", position, dtype=dtype)
+        key = (plan.index_exprs[op], dtype)
+        if key not in positions:
+            position = b.create("kern.index", (), {"expr": plan.index_exprs[op].attribute()}).result
+            positions[key] = position if dtype == "i32" else b.value("graph.cast", position, dtype=dtype)
+        return positions[key]
 
     for op in plan.ops:
         scalar = TensorType((), op.result.type.dtype)

@@ -29,7 +29,15 @@ from typing import Any
 
 from ...dialects.core import Operation, TensorType, Value
 from ...dialects.index_maps import Expr
-from .kernel_source import KernelParam, KernelSource, LaunchShape, c_type, finish, float_literal, pointer_param
+from .kernel_source import (
+    KernelParam,
+    KernelSource,
+    LaunchShape,
+    c_type,
+    finish,
+    float_literal,
+    pointer_param,
+)
 from .launches import COLUMN_LANES, COLUMN_PARTS, ROWS_PER_BLOCK, plan_generated
 
 #: Helpers the generated kernels share, after the prelude in a translation unit.

@@ -20,8 +20,9 @@ from sexpgpu.dialects.core import Operation, Value
 from sexpgpu.dialects.kern import find_kernel
 from sexpgpu.dialects.parser import parse_module
 from sexpgpu.dialects.printer import print_module
-from sexpgpu.devices import open_device
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
+
+from sexpgpu.devices import open_device
 
 NUMPY = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64, "i1": np.bool_}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}
@@ -208,8 +209,9 @@ class SimRunner:
         for k, nbytes in enumerate(attrs.get("scratch", ())):
             buffers[f"scratch{k}"] = dev.alloc(nbytes, f"scratch{k}")
         args: list[Any] = [buffers[a] if isinstance(a, str) else a for a in attrs["arguments"]]
-        dev.launch(self.sim_module.kernel(attrs["function"]), tuple(attrs["grid"]), tuple(attrs["block"]),
-                   attrs["shared"], args)
+        # Both schedules from the same memory: a kernel whose threads race gives two answers.
+        dev.compare_schedules(self.sim_module.kernel(attrs["function"]), tuple(attrs["grid"]),
+                              tuple(attrs["block"]), attrs["shared"], args)
         results = [dev.download(buffers[f"out{k}"], NUMPY[t.dtype], t.shape) for k, t in enumerate(attrs["outputs"])]
         for buf in buffers.values():
             dev.free(buf)
