@@ -399,11 +399,13 @@ def lower_scatter_add(op: Operation, kernels: KernelTable) -> None:
     attributes: dict[str, Any] = {"kind": "scatter_add", "inputs": [indices.type, source.type], "outputs": [out],
                                   "path": path}
     launch, sizes, scratch = plan_template("scatter_add", attributes)
+    # A template's scratch buffer is one more output of the kernel, which nothing reads: plan-buffers
+    # gives it arena space for the launch alone.
     attributes.update(launch.attributes(), sizes=sizes)
-    if scratch:
-        attributes["scratch"] = scratch
+    attributes["outputs"] = [out, *(TensorType((nbytes // 4,), "f32") for nbytes in scratch)]
     symbol = kernels.intern(attributes, None, "scatter_add", op.loc)
-    result = _create("kern.launch", [indices, source], {"kernel": SymbolRef(symbol), "path": path}, op, [out]).result
+    result = _create("kern.launch", [indices, source], {"kernel": SymbolRef(symbol), "path": path}, op,
+                     attributes["outputs"]).results[0]
     if axis:
         unmoved = _reshape(result, [dim, *before, *after], op)
         back = [*range(1, len(before) + 1), 0, *range(len(before) + 1, len(before) + 1 + len(after))]

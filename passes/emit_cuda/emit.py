@@ -7,8 +7,8 @@ generated kernels' helpers, then each distinct kernel once.
 
 Each `kern.kernel` gets `function` (the `extern "C"` name in the source) and
 `arguments`: what its parameters are bound to, in order — `"in<k>"` (the
-launch's k-th operand), `"out<k>"` (its k-th result), `"scratch<k>"` (a
-scratch buffer of the kernel's `scratch[k]` bytes) or an int (a size passed
+launch's k-th operand), `"out<k>"` (its k-th result; a template's scratch
+buffers are its last results, which nothing reads) or an int (a size passed
 by value) — and `alignment`, the bytes every pointer argument must be
 aligned to. The source is recorded in the module as `kern.source {text}`; the
 executor and `explain --device cuda` compile it with NVRTC
@@ -60,15 +60,14 @@ def kernel_source(kernel: Operation) -> KernelSource:
 def bind_arguments(kernel: Operation, source: KernelSource) -> list[Any]:
     """What each parameter of `source` takes for `kernel` (see the module docstring)."""
     sizes = template_sizes(kernel.attributes["kind"], kernel.attributes)
-    counts = {"input": 0, "output": 0, "scratch": 0}
-    prefix = {"input": "in", "output": "out", "scratch": "scratch"}
+    inputs = (f"in{k}" for k in range(len(kernel.attributes["inputs"])))
+    outputs = (f"out{k}" for k in range(len(kernel.attributes["outputs"])))
     bound: list[Any] = []
     for param in source.params:
         if param.role == "scalar":
             bound.append(sizes[param.name])
         else:
-            bound.append(f"{prefix[param.role]}{counts[param.role]}")
-            counts[param.role] += 1
+            bound.append(next(inputs if param.role == "input" else outputs))
     return bound
 
 

@@ -206,8 +206,6 @@ class SimRunner:
                    for k, (x, t) in enumerate(zip(operands, attrs["inputs"]))}
         for k, t in enumerate(attrs["outputs"]):
             buffers[f"out{k}"] = dev.alloc(t.nbytes, f"out{k}")
-        for k, nbytes in enumerate(attrs.get("scratch", ())):
-            buffers[f"scratch{k}"] = dev.alloc(nbytes, f"scratch{k}")
         args: list[Any] = [buffers[a] if isinstance(a, str) else a for a in attrs["arguments"]]
         # Both schedules from the same memory: a kernel whose threads race gives two answers.
         dev.compare_schedules(self.sim_module.kernel(attrs["function"]), tuple(attrs["grid"]),
