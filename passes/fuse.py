@@ -51,7 +51,7 @@ from attrs import define
 from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
-from ..dialects.graph import func_kind, op_axis, transpose_perm
+from ..dialects.graph import cast_dtype, func_kind, op_axis, transpose_perm
 from ..dialects.printer import print_op
 from .dce import eliminate_dead_ops, graph_funcs
 from .emit_cuda.launches import plan_generated, plan_template
@@ -337,9 +337,9 @@ def lower_matmul(op: Operation) -> None:
         beta = 1.0
     gemm = _create("kern.gemm", operands, {"transpose_a": transpose_a, "transpose_b": transpose_b, "batch": count,
                                            "epilogue": epilogue, "alpha": 1.0, "beta": beta, "path": path},
-                   anchor, [out.with_shape(shape)])
+                   anchor, [TensorType(tuple(shape), final.type.dtype)])
     result = _reshape(gemm.result, final.type.shape, anchor)
-    result.name_hint = final.name_hint
+    gemm.result.name_hint = result.name_hint = final.name_hint
     final.replace_all_uses_with(result)
 
 
@@ -355,10 +355,15 @@ def _batched(value: Value, read: TensorType, batch: Sequence[int], before: Opera
 
 
 def _epilogue(op: Operation) -> tuple[Value, Value | None, Value | None]:
-    """The value a GEMM for `op` produces (the matmul's, or an add it absorbs), and the bias
-    (a [n] vector broadcast over the rows) or the buffer added (`beta = 1`) it absorbs."""
+    """The value a GEMM for `op` produces (the matmul's, its cast from bf16 to f32 — cuBLASLt
+    writes f32 from bf16 operands — or an add it absorbs), and the bias (a [n] vector broadcast
+    over the rows) or the buffer added (`beta = 1`) it absorbs."""
     result = op.result
     users = list(result.users())
+    if (len(result.uses) == 1 and users[0].name == "graph.cast" and result.type.dtype == "bf16"
+            and cast_dtype(users[0]) == "f32"):
+        result = users[0].result
+        users = list(result.users())
     if len(users) != 1 or len(result.uses) != 1 or users[0].name != "graph.add":
         return result, None, None
     add = users[0]

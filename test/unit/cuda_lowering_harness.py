@@ -174,6 +174,8 @@ class SimRunner:
                 raise AssertionError(f"a lowered graph holds '{name}'")
             for r in op.results:
                 want = reference.get(r.name_hint) if r.name_hint else None
+                if want is not None and want.size == r.type.numel:
+                    want = want.reshape(r.type.shape)  # a GEMM's rows are the product's batch and rows
                 if want is not None and name in ("kern.launch", "kern.gemm", "graph.reshape"):
                     what = f"{func.attributes['sym_name']}: {op.attributes.get('kernel', name)} -> {r.name_hint}"
                     if r.type.dtype in TOLERANCE:
@@ -181,6 +183,9 @@ class SimRunner:
                     else:
                         assert np.array_equal(np.asarray(env[r]), want), what
                     env[r] = np.asarray(want).astype(NUMPY[r.type.dtype])
+                    if name == "graph.reshape":  # kernels read the buffer the reshape views
+                        source = op.operands[0]
+                        env[source] = env[r].reshape(source.type.shape)
         return outputs
 
     def _gemm(self, op: Operation, operands: list[np.ndarray]) -> np.ndarray:
