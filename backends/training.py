@@ -224,6 +224,10 @@ class Trainer:
         self.train = compile_func(plan.graph("train"))
         self.train_accumulating = compile_func(plan.graph("train_accumulating")) if plan.microbatches > 1 else None
         self.train_diagnosed = compile_func(plan.graph("train_diagnosed")) if plan.diagnostic_ops else None
+        # A diagnosed graph that adds into previous gradients reduces the whole step's: it runs last.
+        accumulates = self.train_diagnosed is not None and any(
+            spec.role == "grad" for spec in self.train_diagnosed.inputs)
+        self.diagnosed_microbatch = plan.microbatches - 1 if accumulates else 0
         self.evaluations = [
             (op, compile_func(plan.graph(_symbol(op.attributes["graph"])))) for op in plan.evaluation_ops
         ]
@@ -403,10 +407,12 @@ class Trainer:
         return inputs
 
     def _microbatch_graph(self, index: int, diagnosed: bool) -> Executable:
+        if diagnosed and self.train_diagnosed is not None and index == self.diagnosed_microbatch:
+            return self.train_diagnosed
         if index > 0:
             assert self.train_accumulating is not None
             return self.train_accumulating
-        return self.train_diagnosed if diagnosed and self.train_diagnosed is not None else self.train
+        return self.train
 
     def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, int | float], dict[str, np.ndarray]]:
         """One optimizer step; returns the loss, metrics, counters and the observations."""

@@ -56,10 +56,11 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
 
     Runs the compiled train graph (and, with microbatches, `train_accumulating`
     once per further microbatch) step by step (`CompiledGraph.profile`: the
-    same kernels, reused buffers and fused contractions as a real call), timing
-    each step in process CPU time, the median over `repeats` calls per op; a
-    fused matmul-and-sum counts as a matmul, a fused sum of pads as "add+pad",
-    an implicit broadcast as almost nothing.
+    same kernels and reused buffers as a real call, over the graph `lower-cpu`
+    made), timing each step in process CPU time, the median over `repeats`
+    calls per op; ops are named without their dialect, a
+    `cpu.broadcasting_binary` by its kind (a `mul` whose operand was a
+    broadcast or a splat counts as a `mul`).
     """
     by_op: dict[str, float] = defaultdict(float)
     by_line: dict[str, float] = defaultdict(float)
@@ -74,8 +75,7 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
         runs = [graph.profile(inputs, time.process_time) for _ in range(repeats)]
         for index, (op, _) in enumerate(runs[0]):
             elapsed = times * statistics.median(run[index][1] for run in runs)
-            fused = graph.fused_ops.get(op)
-            name = "+".join(sorted({o.name.removeprefix("graph.") for o in fused})) if fused else op.name.removeprefix("graph.")
+            name = op.attributes["kind"] if op.name == "cpu.broadcasting_binary" else op.name.partition(".")[2]
             by_op[name] += elapsed
             where = "unknown"
             if op.loc is not None:

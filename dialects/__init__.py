@@ -1,3 +1,3 @@
 """IR core and the dialects. Importing this package registers every op."""
 
-from . import exp, graph, kern  # noqa: F401
+from . import cpu, exp, graph, kern  # noqa: F401

@@ -148,6 +148,11 @@ class ReturnOp(OpDef):
             raise VerifyError(f"'graph.return' has {len(op.operands)} operands but {len(names)} names", op)
 
 
+def graph_funcs(module: Operation) -> list[Operation]:
+    """The `graph.func` ops at the top of a module."""
+    return [op for op in module.body.ops if op.name == "graph.func"]
+
+
 # -- input, const ------------------------------------------------------------------------------
 
 INPUT_ROLES = ("param", "batch", "grad", "state", "step", "value")

@@ -1,7 +1,7 @@
 """`canonicalize`: algebraic identities, shape-op chains and splat-constant folding.
 
 Every rewrite is a `RewritePattern` driven to a fixpoint by the greedy driver
-in `rewriter.py`, which also erases pure ops left unused.
+of `dialects/rewriting.py`, which also erases pure ops left unused.
 
 Which identities are safe: `x + 0`, `x - 0`, `x * 1`, `x / 1`, `x ** 1` give
 exactly `x` for every value except that `-0.0 + 0.0` is `+0.0`, a zero of
@@ -25,7 +25,7 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import FLOAT_DTYPES, Operation, Value
-from ..dialects.graph import keeps_axes, op_axis, pad_widths, reduction_axes, transpose_perm
+from ..dialects.graph import graph_funcs, op_axis, pad_widths, reduction_axes, transpose_perm
 from ..dialects.graph_semantics import (
     FLOAT64_ARITH,
     FLOAT64_COMPARE,
@@ -34,10 +34,9 @@ from ..dialects.graph_semantics import (
     numpy_dtypes,
     numpy_unary,
 )
+from ..dialects.rewriting import GreedyRewriteDriver, Pat, PatternRewriter, PatternRule, RewritePattern
 from ..dialects.traits import SPLAT_PRESERVING_OPS, Trait, has_trait, ops_with
-from .dce import graph_funcs
 from .manager import CompilationUnit, Pass, register_pass
-from .rewriter import GreedyRewriteDriver, PatternRewriter, RewritePattern
 
 
 def splat_value(value: Value) -> Any:
@@ -222,35 +221,34 @@ _EXACT_COMPARE = FLOAT64_COMPARE
 _F32 = struct.Struct("<f")
 
 
-class FoldBatchIntoContraction(RewritePattern):
+def _swaps_last_two(transpose: Operation) -> bool:
+    rank = transpose.result.type.rank
+    return rank >= 3 and transpose_perm(transpose) == [*range(rank - 2), rank - 1, rank - 2]
+
+
+class FoldBatchIntoContraction(PatternRule):
     """`sum(matmul(transpose(x), dy), axes = [0 .. b-1])`, where `x` is `[b..., k, m]`, the
     transpose swaps its last two axes and `dy` is `[b..., k, n]` (a weight gradient `xᵀ·dy` summed
     over the batch), is one contraction over the batch and `k` together:
     `matmul(transpose(reshape(x, [B·k, m])), reshape(dy, [B·k, n]))`, `[m, n]`, with B the
     product of the batch dimensions. Only when the product is read by the sum alone."""
 
-    op_names = ("graph.sum",)
+    pattern = Pat("graph.sum",
+                  Pat("graph.matmul", Pat("graph.transpose", Pat.var("x"), where=_swaps_last_two), Pat.var("dy"),
+                      name="product", one_use=True),
+                  name="total", attrs={"keep": False})
 
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
-        product = op.operands[0].op
-        if product is None or product.name != "graph.matmul" or len(op.operands[0].uses) != 1:
-            return False
-        a, dy = product.operands
-        transpose = a.op
-        batch_rank = a.type.rank - 2
-        if (transpose is None or transpose.name != "graph.transpose" or batch_rank < 1 or keeps_axes(op)
-                or reduction_axes(op) != list(range(batch_rank)) or dy.type.shape[:-2] != a.type.shape[:-2]
-                or transpose_perm(transpose) != [*range(batch_rank), batch_rank + 1, batch_rank]):
-            return False
-        x = transpose.operands[0]
+    def rewrite(self, rewriter: PatternRewriter, total: Operation, product: Operation, x: Value, dy: Value) -> None:
+        batch_rank = x.type.rank - 2
+        if reduction_axes(total) != list(range(batch_rank)) or dy.type.shape[:-2] != x.type.shape[:-2]:
+            return
         rows = math.prod(x.type.shape[:-1])
         attributes = {"path": product.attributes["path"]} if "path" in product.attributes else {}
         loc = product.loc
         flat_x = rewriter.create("graph.reshape", [x], {**attributes, "shape": [rows, x.type.shape[-1]]}, loc=loc)
         left = rewriter.create("graph.transpose", flat_x.results, {**attributes, "perm": [1, 0]}, loc=loc)
         right = rewriter.create("graph.reshape", [dy], {**attributes, "shape": [rows, dy.type.shape[-1]]}, loc=loc)
-        rewriter.replace_op(op, rewriter.create("graph.matmul", [left.result, right.result], attributes, loc=loc))
-        return True
+        rewriter.replace_op(total, rewriter.create("graph.matmul", [left.result, right.result], attributes, loc=loc))
 
 
 def _exact_f32_fold(name: str, scalars: list[Any]) -> Any:

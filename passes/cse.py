@@ -8,7 +8,7 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import REGISTRY, Block, Operation
-from .dce import graph_funcs
+from ..dialects.graph import graph_funcs
 from .manager import CompilationUnit, Pass, register_pass
 
 

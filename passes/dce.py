@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from attrs import define
 
-from ..dialects.core import REGISTRY, Block, Operation
+from ..dialects.core import Block, Operation
+from ..dialects.graph import graph_funcs
+from ..dialects.rewriting import is_trivially_dead
 from .manager import CompilationUnit, Pass, register_pass
-
-
-def is_trivially_dead(op: Operation) -> bool:
-    """A pure, region-free op none of whose results is used (unknown ops are never dead)."""
-    for r in op.results:  # most ops are live: look at their uses before their definition
-        if r.uses:
-            return False
-    opdef = REGISTRY.ops.get(op.name)
-    return opdef is not None and opdef.pure and not op.regions
 
 
 def eliminate_dead_ops(block: Block) -> int:
@@ -29,11 +22,6 @@ def eliminate_dead_ops(block: Block) -> int:
             op.erase()
             erased += 1
     return erased
-
-
-def graph_funcs(module: Operation) -> list[Operation]:
-    """The `graph.func` ops at the top of a module."""
-    return [op for op in module.body.ops if op.name == "graph.func"]
 
 
 @register_pass

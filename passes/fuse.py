@@ -51,9 +51,9 @@ from attrs import define
 from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
-from ..dialects.graph import cast_dtype, func_kind, op_axis, transpose_perm
+from ..dialects.graph import cast_dtype, func_kind, graph_funcs, op_axis, transpose_perm
 from ..dialects.printer import print_op
-from .dce import eliminate_dead_ops, graph_funcs
+from .dce import eliminate_dead_ops
 from .emit_cuda.launches import plan_generated, plan_template
 from .flat_updates import flat_update_graph
 from .fuse_plan import (

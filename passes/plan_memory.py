@@ -30,6 +30,7 @@ from attrs import define
 
 from ..dialects.core import Operation, Value
 from ..dialects.exp import MODEL_GRAPH_KINDS
+from ..dialects.liveness import Liveness
 from .manager import CompilationUnit, Pass, register_pass
 
 LARGEST = 10
@@ -37,47 +38,29 @@ LARGEST = 10
 
 def plan_graph(func: Operation) -> dict[str, Any]:
     """The memory facts of one graph (see the module docstring)."""
-    ops = list(func.body.ops)
-    defined: dict[int, int] = {}
-    last_use: dict[int, int] = {}
+    liveness = Liveness(func.body)
+    ret = liveness.ops[-1]
+    returned_grads = {v for v, name in zip(ret.operands, ret.attributes["names"]) if name.startswith("grad/")}
     values: list[Value] = []
-    for point, op in enumerate(ops):
-        for v in op.operands:
-            last_use[id(v)] = point
-        for r in op.results:
-            defined[id(r)] = point
-            values.append(r)
-    end = len(ops) - 1
-    ret = ops[-1]
-    params: set[int] = set()
-    grads: set[int] = set()
-    for v in values:
-        if v.op is not None and v.op.name == "graph.input":
-            role = v.op.attributes["role"]
+    params: list[Value] = []
+    grads: list[Value] = []
+    activations: list[Value] = []
+    for op in liveness.ops:
+        role = op.attributes["role"] if op.name == "graph.input" else None
+        for v in op.results:
+            values.append(v)
             if role == "param":
-                params.add(id(v))
-            elif role == "grad":
-                grads.add(id(v))
-    for v, name in zip(ret.operands, ret.attributes["names"]):
-        last_use[id(v)] = end
-        if name.startswith("grad/") and id(v) not in params:
-            grads.add(id(v))
-    delta = [0] * (len(ops) + 1)
-    for v in values:
-        if id(v) in params or id(v) in grads:
-            continue
-        start = defined[id(v)]
-        delta[start] += v.type.nbytes
-        delta[max(start, last_use.get(id(v), start)) + 1] -= v.type.nbytes
-    peak = live = 0
-    for change in delta:
-        live += change
-        peak = max(peak, live)
+                params.append(v)
+            elif role == "grad" or v in returned_grads:
+                grads.append(v)
+            else:
+                activations.append(v)
+    peak = liveness.peak_live_bytes(activations)
     largest = sorted(values, key=lambda v: -v.type.numel)[:LARGEST]
     return {
         "peak_bytes": peak,
-        "param_bytes": sum(v.type.nbytes for v in values if id(v) in params),
-        "grad_bytes": sum(v.type.nbytes for v in values if id(v) in grads),
+        "param_bytes": sum(v.type.nbytes for v in params),
+        "grad_bytes": sum(v.type.nbytes for v in grads),
         "largest": [
             {
                 "op": v.owner.name.removeprefix("graph."),

@@ -21,7 +21,10 @@ so does a `grads` diagnostic.
 - `diagnose` → `@train_diagnosed {kind = "train_diagnosed"}` when at least
   one `exp.diagnostic` is enabled: train plus, for each enabled diagnostic and
   each tensor it selects, `graph.observe {name = "<diagnostic>:<path>"}` of one
-  f32 scalar (reducers: mean, rms, max, min, norm = √Σx²). A diagnostic's
+  f32 scalar (reducers: mean, rms, max, min, norm = √Σx²). With several
+  microbatches and a `grads` diagnostic, `@train_diagnosed` also adds into the
+  previous gradients as `@train_accumulating` does (the driver runs it as the
+  step's last microbatch) and reduces the step's mean gradient. A diagnostic's
   `of = {kind, glob}` selects observed tensors (by the `name` of their
   `graph.observe`), gradients (by param path) or params (by path). Globs are
   fnmatch patterns whose `*` matches any run of characters, dots included
@@ -117,6 +120,12 @@ class Accumulate(Pass):
 
 def build_accumulating(module: Operation, train: Operation) -> Operation:
     func = clone_graph(module, train, "train_accumulating", kind="train_accumulating")
+    add_previous_gradients(func)
+    return func
+
+
+def add_previous_gradients(func: Operation) -> None:
+    """Give `func` a `grad/<path>` input per gradient output and return that input plus the fresh gradient."""
     ret = func.body.last_op
     inputs = [op for op in func.body.ops if op.name == "graph.input"]
     builder = Builder(func.body, anchor=inputs[-1].next_op if inputs else func.body.first_op)
@@ -128,7 +137,6 @@ def build_accumulating(module: Operation, train: Operation) -> Operation:
                                   loc=fresh.op.loc if fresh.op else ret.loc).result
         total = Builder(func.body, anchor=ret, loc=ret.loc).value("graph.add", previous, fresh)
         ret.set_operand(index, total)
-    return func
 
 
 # -- stack --------------------------------------------------------------------------------------
@@ -233,6 +241,12 @@ class Diagnose(Pass):
 
 def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Operation]) -> Operation:
     func = clone_graph(module, train, "train_diagnosed", kind="train_diagnosed")
+    microbatches = _microbatches(module)
+    # A gradient diagnostic reduces the step's gradient, not one microbatch's: the graph then runs as the
+    # step's last microbatch, adding into the gradients so far, and reduces their mean.
+    accumulates = microbatches > 1 and any(d.attributes["of"]["kind"] == "grads" for d in diagnostics)
+    if accumulates:
+        add_previous_gradients(func)
     tensors = _diagnosable(func)
     strip_observations(func)
     builder = Builder(func.body, anchor=func.body.last_op)
@@ -247,9 +261,17 @@ def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Opera
         builder.loc = diagnostic.loc
         for path, value in tensors[of["kind"]].items():
             if fnmatch.fnmatchcase(path, of["glob"]):
+                if accumulates and of["kind"] == "grads":
+                    mean = builder.create("graph.const", [], {"value": 1.0 / microbatches}, result_types=[value.type])
+                    value = builder.value("graph.mul", value, mean.result)
                 builder.create("graph.observe", [reduce_to_scalar(builder, value, reducer)],
                                {"name": f"{name}:{path}"})
     return func
+
+
+def _microbatches(module: Operation) -> int:
+    runs = [op for op in module.body.ops if op.name == "exp.run"]
+    return int(runs[0].attributes.get("microbatches", 1)) if runs else 1
 
 
 def _diagnosable(func: Operation) -> dict[str, dict[str, Value]]:

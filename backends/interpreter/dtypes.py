@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 
 from ...dialects.core import FLOAT_DTYPES
+from ...dialects.cpu import FLOAT_MODES
 from ...dialects.graph_semantics import numpy_dtypes
 
 #: The dialect dtypes' numpy dtypes (one table, shared with the folding passes).
 _STORAGE = {name: np.dtype(scalar) for name, scalar in numpy_dtypes().items()}
 
-#: Values for `compile_graph(..., float_mode=...)`.
-FLOAT_MODES = ("native", "f64")
+__all__ = ["FLOAT_MODES", "DtypePolicy"]
 
 
 class DtypePolicy:

@@ -120,10 +120,20 @@ _BINARY: dict[str, Callable[..., Any]] = numpy_binary()
 
 @_builds(*_BINARY)
 def _binary(op: Operation, policy: DtypePolicy) -> Kernel:
+    return _ufunc(op, policy, op.name)
+
+
+@_builds("cpu.broadcasting_binary")
+def _broadcasting_binary(op: Operation, policy: DtypePolicy) -> Kernel:
+    """The ufunc of `graph.<kind>`, which broadcasts its operands as the op says."""
+    return _ufunc(op, policy, f"graph.{op.attributes['kind']}")
+
+
+def _ufunc(op: Operation, policy: DtypePolicy, name: str) -> Kernel:
     dtype = op.operands[0].type.dtype
-    if op.name == "graph.div" and policy.storage(dtype).kind in "iu":
+    if name == "graph.div" and policy.storage(dtype).kind in "iu":
         return Kernel(_truncating_div)
-    return _arith(op, policy, _BINARY[op.name], True, dtype)
+    return _arith(op, policy, _BINARY[name], True, dtype)
 
 
 @_builds("graph.where")
@@ -207,6 +217,34 @@ def _pad(op: Operation, policy: DtypePolicy) -> Kernel:
     return Kernel(pad, takes_out=True)
 
 
+@_builds("cpu.pad_sum")
+def _pad_sum(op: Operation, policy: DtypePolicy) -> Kernel:
+    """Each operand plus zero in its range (what the adds computed there: x + 0 + … + 0 is x + 0,
+    which only turns -0 into +0), zeros elsewhere: no padded copies."""
+    result = op.results[0].type
+    storage = policy.storage(result.dtype)
+    axis = op.attributes["axis"]
+    ranges = [(start, start + v.type.shape[axis]) for v, start in zip(op.operands, op.attributes["starts"])]
+    pieces = [_axis_index(axis, slice(start, end)) for start, end in ranges]
+    margins, covered = [], 0
+    for start, end in sorted(ranges) + [(result.shape[axis], result.shape[axis])]:
+        if start > covered:
+            margins.append(_axis_index(axis, slice(covered, start)))
+        covered = end
+    zero = np.zeros((), storage)
+
+    def pad_sum(*xs: Any, out: Any = None) -> Any:
+        if out is None:
+            out = np.empty(result.shape, storage)
+        for margin in margins:
+            out[margin] = 0
+        for x, piece in zip(xs, pieces):
+            np.add(x, zero, out=out[piece])
+        return out
+
+    return Kernel(pad_sum, takes_out=True)
+
+
 @_builds("graph.concat")
 def _concat(op: Operation, policy: DtypePolicy) -> Kernel:
     axis = op.attributes["axis"]
@@ -240,7 +278,7 @@ def _matmul_fn(a: Any, b: Any, out: Any = None) -> Any:
     return np.matmul(a, b, out=out)
 
 
-@_builds("graph.matmul")
+@_builds("graph.matmul", "cpu.matmul")
 def _matmul(op: Operation, policy: DtypePolicy) -> Kernel:
     a, b = (v.type for v in op.operands)
     if a.rank >= 3 and b.rank >= 3 and not policy.rounds(b.dtype):
@@ -266,7 +304,12 @@ def _batched_matmul_fn(shape: tuple[int, ...], dtype: np.dtype) -> Callable[...,
     return matmul
 
 
-def batch_summed_matmul(a: Any, b: Any, out: Any = None) -> Any:
+@_builds("cpu.matmul_sum")
+def _matmul_sum(op: Operation, policy: DtypePolicy) -> Kernel:
+    return Kernel(_batch_summed_matmul, takes_out=True)
+
+
+def _batch_summed_matmul(a: Any, b: Any, out: Any = None) -> Any:
     """Σ_i a[i] @ b[i] for a [B M K] and b [B K N], as one [M B·K] @ [B·K N] product.
 
     This is `sum(matmul(a, b), axis 0)`, the weight gradient of a linear layer
@@ -376,11 +419,8 @@ def _cast(op: Operation, policy: DtypePolicy) -> Kernel:
 # -- values fixed when the graph is compiled ----------------------------------------------------
 
 
-def constant_value(op: Operation, policy: DtypePolicy, scalar: bool = False) -> np.ndarray:
-    """The array a `graph.const` or `graph.iota` stands for (computed once, never written).
-
-    `scalar`: a splat `graph.const` as a 0-d array, for readers that broadcast it.
-    """
+def constant_value(op: Operation, policy: DtypePolicy) -> np.ndarray:
+    """The array a `graph.const` or `graph.iota` stands for (computed once, never written)."""
     result = op.results[0].type
     storage = policy.storage(result.dtype)
     if op.name == "graph.iota":
@@ -390,8 +430,7 @@ def constant_value(op: Operation, policy: DtypePolicy, scalar: bool = False) -> 
         value = np.broadcast_to(line, result.shape)
     else:
         raw = op.attributes["value"]
-        shape = () if scalar else result.shape
-        value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(shape, raw, storage)
+        value = np.array(raw, dtype=storage) if isinstance(raw, list) else np.full(result.shape, raw, storage)
     value = np.array(value, order="C")  # a contiguous copy (ascontiguousarray would make scalars 1-d)
     value.flags.writeable = False
     return value

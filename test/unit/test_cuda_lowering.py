@@ -151,3 +151,43 @@ def test_lit_graphs_run_on_cuda_sim_like_the_interpreter(name, chunk):
     runner = run_on_sim(reference, lowered, 3)
     kernels = {op.attributes["sym_name"] for op in lowered.body.ops if op.name == "kern.kernel"}
     assert kernels == set(runner.launched), kernels - set(runner.launched)
+
+
+# -- plan-buffers: no two live buffers overlap -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("example", "variant", "bf16"), [("gpt.sx", "smoke", False), ("tiny-gpt.sx", "smoke", True)])
+def test_live_buffers_never_overlap_but_in_place(example, variant, bf16):
+    """Every pair of values whose storage is live at once lies in disjoint arena ranges, except an
+    elementwise kernel's output over the operand it reads through the identity map for the last time."""
+    from sexpgpu.dialects.liveness import StorageLiveness
+    from sexpgpu.passes.plan_buffers import ALIGNMENT, in_place_reuse
+
+    module = lower(training_module(example, variant, (), bf16), "fuse,plan-buffers").module
+    checked = in_place = 0
+    for func in (op for op in module.body.ops if op.name == "graph.func"):
+        liveness = StorageLiveness(func.body)
+        placed = []
+        allowed = set()
+        for op in func.body.ops:
+            if "offsets" not in op.attributes:
+                continue
+            for result, taken in in_place_reuse(op, liveness).items():
+                allowed.add((taken, result))
+                in_place += 1
+            for result, offset in zip(op.results, op.attributes["offsets"]):
+                if offset is None:
+                    assert liveness.root[result] in liveness.escaping
+                    continue
+                assert offset % ALIGNMENT == 0
+                size = -(-result.type.nbytes // ALIGNMENT) * ALIGNMENT
+                assert offset + size <= func.attributes["arena_bytes"]
+                placed.append((result, liveness.defined[result], liveness.storage_end[result], offset, size))
+        for i, (a, a_start, a_end, a_off, a_size) in enumerate(placed):
+            for b, b_start, b_end, b_off, b_size in placed[i + 1:]:
+                live_together = a_start <= b_end and b_start <= a_end
+                overlap = a_off < b_off + b_size and b_off < a_off + a_size
+                if live_together and overlap:
+                    assert (a, b) in allowed and a_end == b_start, (func.attributes["sym_name"], a.name_hint, b.name_hint)
+                checked += 1
+    assert checked and in_place

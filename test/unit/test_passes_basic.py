@@ -5,16 +5,16 @@ import sexpgpu.dialects  # noqa: F401
 from sexpgpu.dialects.core import Operation
 from sexpgpu.dialects.parser import parse_module
 from sexpgpu.dialects.printer import print_module
-from sexpgpu.passes.canonicalize import canonical_patterns
-from sexpgpu.passes.cse import eliminate_common_subexpressions, freeze_attribute
-from sexpgpu.passes.dce import eliminate_dead_ops
-from sexpgpu.passes.manager import CompilationUnit, parse_pipeline, run_pipeline
-from sexpgpu.passes.rewriter import (
+from sexpgpu.dialects.rewriting import (
     GreedyRewriteDriver,
     PatternRewriter,
     RewritePattern,
     apply_patterns_greedily,
 )
+from sexpgpu.passes.canonicalize import canonical_patterns
+from sexpgpu.passes.cse import eliminate_common_subexpressions, freeze_attribute
+from sexpgpu.passes.dce import eliminate_dead_ops
+from sexpgpu.passes.manager import CompilationUnit, parse_pipeline, run_pipeline
 from sexpgpu.passes.verify import VerificationFailed, verify_errors
 
 HEADER = 'graph.func @f {\n  %x = graph.input {name = "x", role = "batch"} : () -> tensor<4xf32>\n'

@@ -1,0 +1,93 @@
+"""Which device runtime a device name opens, as the environment says.
+
+- `cuda`: a GPU, through the driver `SEXPGPU_CUDA_DRIVER` names: `cuda-python` (the default;
+  cuda-python's driver API) or `pycuda`;
+- `cuda-sim`: the simulated device (`driver_sim`), whatever `SEXPGPU_CUDA_DRIVER` says.
+
+`SEXPGPU_DEVICES` holds the device id to open (default 0; `cuda-sim` has the one device 0). Several
+ids mean several data-parallel ranks, which a later issue builds; asking for them now is a one-line
+error, as is a device that cannot open (no driver, no GPU, no `cuda` extra, no pycuda).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .runtime import DeviceRuntime, DeviceUnavailable
+
+DEVICES = ("cuda", "cuda-sim")
+DRIVERS = ("cuda-python", "pycuda")
+DEFAULT_DRIVER = "cuda-python"
+
+
+def requested_driver(device: str) -> str:
+    """The driver `device` opens with: `cuda-sim` for the simulator, else `SEXPGPU_CUDA_DRIVER`'s."""
+    if device == "cuda-sim":
+        return "cuda-sim"
+    driver = os.environ.get("SEXPGPU_CUDA_DRIVER") or DEFAULT_DRIVER
+    if driver not in DRIVERS:
+        raise DeviceUnavailable(device, f"SEXPGPU_CUDA_DRIVER={driver} names no CUDA driver; use "
+                                        f"{' or '.join(DRIVERS)} (the default is {DEFAULT_DRIVER})")
+    return driver
+
+
+def requested_device_index(device: str) -> int:
+    """The device id `SEXPGPU_DEVICES` names (default 0); `DeviceUnavailable` for several or a bad one."""
+    text = (os.environ.get("SEXPGPU_DEVICES") or "0").strip()
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    if len(ids) > 1:
+        raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} asks for {len(ids)} ranks; several ranks "
+                                        "(data-parallel training) are a later issue, so give one device id")
+    if len(ids) != 1 or not ids[0].isdigit():
+        raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} is not a device id (0, 1, ...)")
+    index = int(ids[0])
+    if device == "cuda-sim" and index != 0:
+        raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text}, but the simulated device is device 0 alone")
+    return index
+
+
+def open_runtime(device: str = "cuda", **options: Any) -> DeviceRuntime:
+    """The runtime of `device` (`cuda` or `cuda-sim`) with the driver and device id the environment
+    names; `options` go to the simulator (`memory_bytes`, `schedule`, `cache_dir`). A device that
+    cannot open raises a one-line user error (`DeviceUnavailable`, or `CudaToolchainMissing` without
+    the `cuda` extra)."""
+    if device not in DEVICES:
+        raise ValueError(f"no device runtime for {device!r}; the devices are {', '.join(DEVICES)}")
+    driver = requested_driver(device)
+    index = requested_device_index(device)
+    if driver == "cuda-sim":
+        from .driver_sim import SimRuntime
+
+        return SimRuntime(index, **options)
+    if driver == "pycuda":
+        from .driver_pycuda import PycudaRuntime
+
+        return PycudaRuntime(index)
+    from .driver_cuda import CudaRuntime
+
+    return CudaRuntime(index)
+
+
+def runtime_unavailable(device: str) -> str | None:
+    """None when `open_runtime(device)` can open a device here; else why not, in one line (for the
+    executor registry's probe). Opens no context."""
+    try:
+        driver = requested_driver(device)
+        index = requested_device_index(device)
+    except DeviceUnavailable as err:
+        return err.reason
+    if driver == "cuda-sim":
+        from .sim.compiler import compiler_identity, host_compiler
+        from .sim.errors import SimError
+
+        try:
+            compiler_identity(host_compiler())
+        except SimError as err:
+            return str(err)
+        return None
+    if driver == "pycuda":
+        from .driver_pycuda import probe
+    else:
+        from .driver_cuda import probe
+    return probe(index)
