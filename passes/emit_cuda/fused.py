@@ -4,8 +4,9 @@ A body kernel is written from its `kern.kernel` op alone: the domain, each
 input's index map (`dialects/index_maps.py`), the body's scalar ops and the
 launch plan (`launches.plan_generated`, the one `fuse` gave the kernel its
 launch shape from). Storage is f32, bf16, integers or booleans; every float
-is loaded into f32, computed in f32 and rounded once when stored (an explicit
-`graph.cast` to bf16 rounds where it stands). Math is the C library's
+is loaded into f32, computed in f32 and rounded once when stored; an explicit
+`graph.cast` to or from bf16 rounds where it stands (a value cast from bf16
+is the bf16 value it would have been stored as). Math is the C library's
 single-precision functions without fast-math approximations (`rsqrt` is
 `1/sqrtf`, as the interpreter computes it).
 
@@ -253,11 +254,14 @@ class FusedKernel:
             return f"({args[0]} ? {args[1]} : {args[2]})"
         if name == "graph.cast":
             source = op.operands[0].type.dtype
+            value = args[0]
+            if source == "bf16" and dtype != "bf16":
+                value = f"sxg_round_bf16({value})"  # the operand is a bf16 value: what it is stored as
             if dtype == "i1":
-                return f"({args[0]} != 0)"
+                return f"({value} != 0)"
             if dtype == "bf16" and source != "bf16":
-                return f"sxg_round_bf16((float){args[0]})"
-            return f"({value_type(dtype)}){args[0]}"
+                return f"sxg_round_bf16((float){value})"
+            return f"({value_type(dtype)}){value}"
         raise ValueError(f"kernel {self.symbol}: no CUDA for '{name}'")
 
     def _store(self, w: _Writer, depth: int, k: int, value: str, at: str) -> None:
