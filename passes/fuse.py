@@ -52,11 +52,13 @@ from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
 from ..dialects.graph import cast_dtype, func_kind, graph_funcs, op_axis, transpose_perm
+from ..dialects.index_maps import Expr, reshape_index
 from ..dialects.printer import print_op
 from .dce import eliminate_dead_ops
 from .emit_cuda.launches import plan_generated, plan_template
 from .flat_updates import flat_update_graph
 from .fuse_plan import (
+    FREE_VIEWS,
     INDEX_VIEWS,
     GroupPlan,
     access_attribute,
@@ -214,6 +216,7 @@ def lower_func(func: Operation, kernels: KernelTable, cap: int | None) -> dict[s
         elif op.name == "graph.scatter_add":
             lower_scatter_add(op, kernels)
     _materialise_reads(block)
+    _materialise_split_reshapes(block)
     eliminate_dead_ops(block)
     path_of = {op: op.attributes["path"] for op in block.ops if isinstance(op.attributes.get("path"), str)}
     kind = "multi_tensor_update" if func_kind(func) == "update" else "pointwise"
@@ -433,6 +436,18 @@ def _materialise_reads(block: Block) -> None:
             legal = legal_read(value, op)
             if legal is not value:
                 op.set_operand(k, legal)
+
+
+def _materialise_split_reshapes(block: Block) -> None:
+    """A reshape of a view whose merged axes cannot be split again as index expressions (one that
+    straddles a stride, such as a transposed [3, 2] read as [2, 3]) reads a copy of the view."""
+    for op in list(block.ops):
+        if op.name not in FREE_VIEWS or is_buffer(op.operands[0]):
+            continue
+        shape = op.result.type.shape
+        identity = [Expr.axis(shape, d) for d in range(len(shape))]
+        if reshape_index(op.operands[0].type.shape, shape, identity) is None:
+            op.set_operand(0, _create("kern.copy", [op.operands[0]], {}, op).result)
 
 
 # -- fusion -----------------------------------------------------------------------------------
