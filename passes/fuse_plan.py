@@ -218,8 +218,9 @@ class _Propagation:
               guards: tuple[tuple[Expr, int], ...] = (), fill: float | None = None, external: bool = False) -> bool:
         if op in self.epilogue and self._touches_reduced(index):
             return False
-        source = self.reach(value, index, guards, fill)
-        if source is None or (external and not isinstance(source, Access)):
+        scalar = splat_value(value)
+        source = Literal(scalar, value.type.dtype) if scalar is not None else self.reach(value, index, guards, fill)
+        if source is None or (external and not isinstance(source, (Access, Literal))):
             return False
         self.sources[(op, slot)] = source
         return True
