@@ -240,19 +240,21 @@ def lower_func(func: Operation, kernels: KernelTable, cap: int | None) -> dict[s
 
 
 def _check_lowerable(block: Block) -> None:
+    """A located error for the first op the lowering does not take."""
     for op in block.ops:
         for value in [*op.operands, *op.results]:
             if value.type.dtype not in _DTYPES:
                 raise VerifyError(f"the CUDA lowering does not take {value.type.dtype} values ('{op.name}')", op)
-        if op.name in _KEPT or op.name in INDEX_VIEWS or op.name in ("graph.const", "graph.matmul",
-                                                                     "graph.scatter_add", "kern.copy", "kern.fill"):
-            continue
-        if op.name == "graph.pow" and op.result.type.dtype not in ("f32", "bf16"):
-            raise VerifyError(f"the CUDA lowering takes pow of floats, not of {op.result.type.dtype}", op)
+        dtype = op.results[0].type.dtype if op.results else None
+        if op.name == "graph.matmul" and dtype not in ("f32", "bf16"):
+            raise VerifyError(f"the CUDA lowering multiplies f32 and bf16 matrices (cuBLASLt), not {dtype}", op)
+        if op.name == "graph.pow" and dtype not in ("f32", "bf16"):
+            raise VerifyError(f"the CUDA lowering takes pow of floats, not of {dtype}", op)
         if op.name == "graph.scatter_add_along" and not is_fusible(op):
             raise VerifyError(f"the CUDA lowering takes a scatter-add-along of at most 16 indices per row, "
                               f"not {op.operands[0].type.shape[op_axis(op)]}", op)
-        if not is_fusible(op):
+        lowered_elsewhere = ("graph.const", "graph.matmul", "graph.scatter_add", "kern.copy", "kern.fill")
+        if not (op.name in _KEPT or op.name in INDEX_VIEWS or op.name in lowered_elsewhere or is_fusible(op)):
             raise VerifyError(f"the CUDA lowering does not take '{op.name}'", op)
 
 
