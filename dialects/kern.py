@@ -170,8 +170,6 @@ class IndexOp(OpDef):
         expr = op.attributes["expr"]
         if not (isinstance(expr, dict) and "offset" in expr and "strides" in expr):
             raise VerifyError("'kern.index' expr must be a dict with offset and strides", op)
-        if op.results[0].type != TensorType((), "i32"):
-            raise VerifyError("'kern.index' yields a tensor<i32>", op)
 
 
 @register_op
@@ -193,8 +191,8 @@ class ReduceOp(OpDef):
         super().verify(op)
         if op.attributes["op"] not in REDUCE_OPS:
             raise VerifyError(f"'kern.reduce' op must be one of {', '.join(REDUCE_OPS)}", op)
-        if op.results[0].type != op.operands[0].type or op.operands[0].type.rank != 0:
-            raise VerifyError("'kern.reduce' reduces a scalar to a scalar of its type", op)
+        if op.operands[0].type.rank != 0:
+            raise VerifyError("'kern.reduce' reduces a scalar (an element of its kernel's domain)", op)
 
 
 @register_op
@@ -209,12 +207,6 @@ class CopyOp(OpDef):
     @classmethod
     def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
         return [operands[0]]
-
-    @classmethod
-    def verify(cls, op: Operation) -> None:
-        super().verify(op)
-        if op.results[0].type != op.operands[0].type:
-            raise VerifyError("'kern.copy' result type must be its operand's", op)
 
 
 @register_op
