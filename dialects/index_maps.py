@@ -99,9 +99,6 @@ class Expr(NamedTuple):
             const += part.const
         return _canonical(tuple(sizes), terms, const, tuple(gathers))
 
-    def plus_terms(self, terms: Sequence[Term]) -> Expr:
-        return _canonical(self.sizes, [*self.terms, *terms], self.const, self.gathers)
-
     def __add__(self, other: Expr | int) -> Expr:  # type: ignore[override]
         if isinstance(other, int):
             return self._replace(const=self.const + other)
@@ -136,10 +133,6 @@ class Expr(NamedTuple):
     def axes(self) -> set[int]:
         """The domain axes the expression depends on (a gather's index operand aside)."""
         return {t.axis for t in self.terms}
-
-    @property
-    def is_constant(self) -> bool:
-        return not self.terms and not self.gathers
 
     def strides(self) -> list[int] | None:
         """One plain stride per domain axis when every term is plain, else None."""

@@ -124,10 +124,6 @@ class GroupPlan:
     #: The domain-index expression an iota, one_hot, concat or scatter_add_along needs.
     index_exprs: dict[Operation, Expr] = field(factory=dict)
 
-    @property
-    def kept_axes(self) -> list[int]:
-        return [d for d in range(len(self.domain)) if d not in self.reduce_axes]
-
     def input_number(self) -> dict[Access, int]:
         return {a: i for i, a in enumerate(self.inputs)}
 
