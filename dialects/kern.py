@@ -33,6 +33,20 @@ body: `row` (a row program `{family, form}`), `cross_entropy` (the tail
 carries its signature (`inputs`, `outputs`: tensor types, so shapes and
 dtypes), its launch shape (`grid`, `block`: three ints each; `shared`: dynamic
 shared-memory bytes) and the model path of the region it came from (`path`).
+
+A body kernel runs over `domain = [d0, d1, ...]` and reads input k through
+`maps[k]` (`dialects/index_maps.py`: the element's storage offset as an
+expression of the domain index, with a gather through another input, guards
+and a fill value for pads); its results are stored contiguously, one element
+per domain index (a reduction's kept results, one per kept index). Two ops
+exist only in bodies: `kern.index {expr}` (an index expression of the domain
+index, i32: `graph.iota`, `graph.one_hot`) and `kern.reduce %v {op}` (the
+reduction of `v` over the kernel's `reduce = {axes}`; what uses its result
+runs once per kept index, after the reduction).
+
+`kern.copy` (a value made contiguous) and `kern.fill {value}` (a splat
+constant made a buffer) say where `fuse` must materialise a value; `fuse`
+turns each into a kernel launch.
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ KERNEL_KINDS = BODY_KINDS + TEMPLATE_KINDS
 ROW_FAMILIES = ("softmax", "log_softmax", "layernorm", "rmsnorm", "softmax_backward", "log_softmax_backward",
                 "layernorm_backward", "rmsnorm_backward")
 CROSS_ENTROPY_DIRECTIONS = ("forward", "backward")
+#: The ops a `kern.reduce` in a reduction body applies.
+REDUCE_OPS = ("sum", "max", "min")
 #: GEMM epilogues cuBLASLt fuses (`bias_grad_*` reduce the GEMM's output into a bias gradient).
 GEMM_EPILOGUES = ("none", "bias", "gelu", "gelu_bias", "bias_grad_a", "bias_grad_b")
 
@@ -131,6 +147,89 @@ def _verify_body(op: Operation, inputs: Sequence[TensorType], outputs: Sequence[
     for inner in block.ops:
         if inner is not last and any(r.type.rank != 0 for r in inner.results):
             raise VerifyError(f"'{inner.name}' in a kernel body must compute a scalar", inner)
+
+
+@register_op
+class IndexOp(OpDef):
+    """`%i = kern.index {expr = {offset, strides, ...}} : () -> tensor<i32>`: an index expression of
+    the domain index of the element a body computes (`index_maps.Expr` in attribute form)."""
+
+    name = "kern.index"
+    family = "kernel"
+    num_operands = 0
+    num_results = 1
+    required_attrs = ("expr",)
+
+    @classmethod
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
+        return [TensorType((), "i32")]
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        super().verify(op)
+        expr = op.attributes["expr"]
+        if not (isinstance(expr, dict) and "offset" in expr and "strides" in expr):
+            raise VerifyError("'kern.index' expr must be a dict with offset and strides", op)
+
+
+@register_op
+class ReduceOp(OpDef):
+    """`%s = kern.reduce %v {op = "sum" | "max" | "min"}`: `v` reduced over the kernel's reduced axes."""
+
+    name = "kern.reduce"
+    family = "kernel"
+    num_operands = 1
+    num_results = 1
+    required_attrs = ("op",)
+
+    @classmethod
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
+        return [operands[0]]
+
+    @classmethod
+    def verify(cls, op: Operation) -> None:
+        super().verify(op)
+        if op.attributes["op"] not in REDUCE_OPS:
+            raise VerifyError(f"'kern.reduce' op must be one of {', '.join(REDUCE_OPS)}", op)
+        if op.operands[0].type.rank != 0:
+            raise VerifyError("'kern.reduce' reduces a scalar (an element of its kernel's domain)", op)
+
+
+@register_op
+class CopyOp(OpDef):
+    """`%y = kern.copy %x`: `x` (often a view) stored contiguously; `fuse` makes it part of a kernel."""
+
+    name = "kern.copy"
+    family = "kernel"
+    num_operands = 1
+    num_results = 1
+
+    @classmethod
+    def infer(cls, operands: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
+        return [operands[0]]
+
+
+@register_op
+class FillOp(OpDef):
+    """`%y = kern.fill {value}`: a buffer of the result type holding `value` everywhere."""
+
+    name = "kern.fill"
+    family = "kernel"
+    num_operands = 0
+    num_results = 1
+    required_attrs = ("value",)
+
+
+@register_op
+class SourceOp(OpDef):
+    """`kern.source {text, kernels}`: the CUDA translation unit `emit-cuda` wrote for the module's kernels."""
+
+    name = "kern.source"
+    family = "kernel"
+    num_operands = 0
+    num_results = 0
+    required_attrs = ("text",)
+    pure = False
 
 
 @register_op

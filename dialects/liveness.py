@@ -15,7 +15,7 @@ keeps one array per buffer, a GPU backend carves them out of one allocation).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from attrs import frozen
 
@@ -167,6 +167,41 @@ class ArenaPlan:
             self._held.setdefault(self.liveness.storage_end[value], []).append(buffer)
         if not in_place:
             self._release(position)
+        return buffer
+
+    def assign_op(self, values: Sequence[Value], over: Mapping[Value, Value] | None = None) -> list[Buffer | None]:
+        """The buffers of all the results of one op (a kernel writing several outputs): none shares
+        storage with another or with a value the op reads, except that a result `over` maps to an
+        operand's root takes exactly that root's buffer when its storage ends at this op (an
+        elementwise kernel writing each element over the one it has just read). Storage that ended
+        before the op is free for its results; storage that ends at it only after."""
+        if not values:
+            return []
+        position = self.liveness.defined[values[0]]
+        self._release(position - 1)
+        buffers: list[Buffer | None] = []
+        for value in values:
+            buffer = None
+            if self.liveness.root[value] not in self.liveness.escaping:
+                source = (over or {}).get(value)
+                buffer = self._take(source, position) if source is not None else None
+                if buffer is None:
+                    size = -(-value.type.nbytes // self.alignment) * self.alignment
+                    buffer = self._reuse(value.type, size) or self._grow(value.type, size)
+                self.buffers[value] = buffer
+                self._held.setdefault(self.liveness.storage_end[value], []).append(buffer)
+            buffers.append(buffer)
+        self._release(position)
+        return buffers
+
+    def _take(self, source: Value, position: int) -> Buffer | None:
+        """`source`'s buffer, when its storage is read for the last time at `position` (it is then
+        still held, to be freed after the op)."""
+        buffer = self.buffers.get(source)
+        held = self._held.get(position, [])
+        if buffer is None or self.liveness.storage_end.get(source) != position or buffer not in held:
+            return None
+        held.remove(buffer)
         return buffer
 
     def _reuse(self, key: Hashable, size: int) -> Buffer | None:

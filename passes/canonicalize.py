@@ -8,6 +8,12 @@ exactly `x` for every value except that `-0.0 + 0.0` is `+0.0`, a zero of
 the other sign, which compares equal (XLA and Grappler make the same call).
 `x * 0` is not `0` for floats when `x` is inf or nan, so it folds only for
 integer and boolean tensors, or for floats with the `fast-math` option.
+
+One contraction per weight gradient: autodiff writes a linear layer's weight
+gradient as a `[batch, in, out]` product summed over the batch; the sum of
+the batch's products is one product over the batch folded into the
+contraction, so the interpreter, the memory bound and a GEMM lowering all
+see one `[in, B·T] × [B·T, out]` matmul and no `[batch, in, out]` tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 from attrs import define
 
 from ..dialects.core import FLOAT_DTYPES, Operation, Value
-from ..dialects.graph import graph_funcs, op_axis, pad_widths, transpose_perm
+from ..dialects.graph import graph_funcs, op_axis, pad_widths, reduction_axes, transpose_perm
 from ..dialects.graph_semantics import (
     FLOAT64_ARITH,
     FLOAT64_COMPARE,
@@ -28,7 +34,7 @@ from ..dialects.graph_semantics import (
     numpy_dtypes,
     numpy_unary,
 )
-from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
+from ..dialects.rewriting import GreedyRewriteDriver, Pat, PatternRewriter, PatternRule, RewritePattern
 from ..dialects.traits import SPLAT_PRESERVING_OPS, Trait, has_trait, ops_with
 from .manager import CompilationUnit, Pass, register_pass
 
@@ -215,6 +221,36 @@ _EXACT_COMPARE = FLOAT64_COMPARE
 _F32 = struct.Struct("<f")
 
 
+def _swaps_last_two(transpose: Operation) -> bool:
+    rank = transpose.result.type.rank
+    return rank >= 3 and transpose_perm(transpose) == [*range(rank - 2), rank - 1, rank - 2]
+
+
+class FoldBatchIntoContraction(PatternRule):
+    """`sum(matmul(transpose(x), dy), axes = [0 .. b-1])`, where `x` is `[b..., k, m]`, the
+    transpose swaps its last two axes and `dy` is `[b..., k, n]` (a weight gradient `xᵀ·dy` summed
+    over the batch), is one contraction over the batch and `k` together:
+    `matmul(transpose(reshape(x, [B·k, m])), reshape(dy, [B·k, n]))`, `[m, n]`, with B the
+    product of the batch dimensions. Only when the product is read by the sum alone."""
+
+    pattern = Pat("graph.sum",
+                  Pat("graph.matmul", Pat("graph.transpose", Pat.var("x"), where=_swaps_last_two), Pat.var("dy"),
+                      name="product", one_use=True),
+                  name="total", attrs={"keep": False})
+
+    def rewrite(self, rewriter: PatternRewriter, total: Operation, product: Operation, x: Value, dy: Value) -> None:
+        batch_rank = x.type.rank - 2
+        if reduction_axes(total) != list(range(batch_rank)) or dy.type.shape[:-2] != x.type.shape[:-2]:
+            return
+        rows = math.prod(x.type.shape[:-1])
+        attributes = {"path": product.attributes["path"]} if "path" in product.attributes else {}
+        loc = product.loc
+        flat_x = rewriter.create("graph.reshape", [x], {**attributes, "shape": [rows, x.type.shape[-1]]}, loc=loc)
+        left = rewriter.create("graph.transpose", flat_x.results, {**attributes, "perm": [1, 0]}, loc=loc)
+        right = rewriter.create("graph.reshape", [dy], {**attributes, "shape": [rows, dy.type.shape[-1]]}, loc=loc)
+        rewriter.replace_op(total, rewriter.create("graph.matmul", [left.result, right.result], attributes, loc=loc))
+
+
 def _exact_f32_fold(name: str, scalars: list[Any]) -> Any:
     """numpy's float32 result of `name` on float32 scalars, in pure Python; None where not sure.
 
@@ -317,6 +353,7 @@ def canonical_patterns(fast_math: bool = False) -> list[RewritePattern]:
         NoOpShape(),
         ComposeShapeChains(),
         SelectOfKnown(),
+        FoldBatchIntoContraction(),
     ]
 
 

@@ -81,6 +81,11 @@ class Pass:
     def run(self, unit: CompilationUnit) -> None:
         raise NotImplementedError
 
+    def final_output(self, unit: CompilationUnit) -> str | None:
+        """What a tool prints instead of the IR when this pass ends the pipeline (None: the IR).
+        A translation to another language (emit-cuda's CUDA C) is printed as such."""
+        return None
+
 
 class DumpPass(Pass):
     """A pass whose product is a report written to `unit.out`; the tool then prints no IR after it."""

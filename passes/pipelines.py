@@ -5,3 +5,7 @@
 TRAINING_PIPELINE = (
     "evaluate,autodiff,diagnose,accumulate,build-updates,fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
 )
+
+#: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
+#: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
+CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"

@@ -218,7 +218,8 @@ class Opt:
             # What a dump pass wrote before the failure stays (print-values: the values of the forms before it).
             result.output = report.getvalue() if unit.dumped else ""
             return result
-        result.output = report.getvalue() + ("" if unit.dumped else unit.printable())
+        final = manager.passes[-1].final_output(unit) if manager.passes and not unit.dumped else None
+        result.output = report.getvalue() + ("" if unit.dumped else final if final is not None else unit.printable())
         return result
 
     def main(self) -> int:

@@ -56,7 +56,7 @@ def test_ir_json_hashes_only_the_files_the_compilation_read(tmp_path, secret, ca
 
 
 def test_the_run_manifest_hashes_the_sources_as_read(tmp_path):
-    from sexpgpu.backends.training import Experiment
+    from sexpgpu.backends.training import TrainingPlan
 
     source = tmp_path / "exp.sx"
     source.write_text("""\
@@ -70,7 +70,7 @@ def test_the_run_manifest_hashes_the_sources_as_read(tmp_path):
     import hashlib
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    experiment = Experiment(str(source), None, [])
+    experiment = TrainingPlan.compile(str(source), None, [])
     source.write_text("; edited after compiling\n")
     assert experiment.source_hashes == {display_path(str(source)): digest}
 
