@@ -30,45 +30,47 @@ from ..manager import CompilationUnit, Pass, register_pass
 from .fused import FUSED_HELPERS, FusedKernel
 from .kernel_source import KernelSource
 from .launches import template_program, template_sizes
+from .pattern_kernels import step_binding
 from .prelude import PRELUDE, translation_unit
 
-#: Writers of the kinds other modules own (row programs, the cross-entropy tail), by kind.
-KERNEL_WRITERS: dict[str, Callable[[Operation], KernelSource]] = {}
 
-
-def _template_source(kernel: Operation) -> KernelSource:
-    program = template_program(kernel.attributes["kind"], kernel.attributes)
-    (step,) = program.steps
-    return step.kernel
-
-
-for _kind in ("fill", "copy", "scatter_add"):
-    KERNEL_WRITERS[_kind] = _template_source
-
-
-def kernel_source(kernel: Operation) -> KernelSource:
-    """The CUDA function of one `kern.kernel`."""
-    kind = kernel.attributes["kind"]
-    if kind in BODY_KINDS:
-        return FusedKernel(kernel).source()
-    writer = KERNEL_WRITERS.get(kind)
-    if writer is None:
-        raise VerifyError(f"emit-cuda has no CUDA for a kernel of kind '{kind}'", kernel)
-    return writer(kernel)
-
-
-def bind_arguments(kernel: Operation, source: KernelSource) -> list[Any]:
-    """What each parameter of `source` takes for `kernel` (see the module docstring)."""
-    sizes = template_sizes(kernel.attributes["kind"], kernel.attributes)
+def _bind(kernel: Operation, source: KernelSource, sizes: dict[str, int]) -> list[Any]:
     inputs = (f"in{k}" for k in range(len(kernel.attributes["inputs"])))
     outputs = (f"out{k}" for k in range(len(kernel.attributes["outputs"])))
-    bound: list[Any] = []
-    for param in source.params:
-        if param.role == "scalar":
-            bound.append(sizes[param.name])
-        else:
-            bound.append(next(inputs if param.role == "input" else outputs))
-    return bound
+    return [next(inputs if param.role == "input" else outputs) if param.is_pointer else sizes[param.name]
+            for param in source.params]
+
+
+def _template_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """A one-launch template kernel (`fill`, `copy`, `scatter_add`) and its arguments."""
+    program = template_program(kernel.attributes["kind"], kernel.attributes)
+    (step,) = program.steps
+    return step.kernel, _bind(kernel, step.kernel, template_sizes(kernel.attributes["kind"], kernel.attributes))
+
+
+def _fused_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """A generated kernel: its operands and results, every size compiled in."""
+    source = FusedKernel(kernel).source()
+    return source, _bind(kernel, source, {})
+
+
+#: Each kernel kind's CUDA function and the arguments a launch passes it (module docstring): the generated
+#: kinds from their body, the templates' from their program (a pattern kernel is one step of its family's).
+BINDINGS: dict[str, Callable[[Operation], tuple[KernelSource, list[Any]]]] = {
+    **{kind: _fused_binding for kind in BODY_KINDS},
+    **{kind: _template_binding for kind in ("fill", "copy", "scatter_add")},
+    "row": step_binding,
+    "cross_entropy": step_binding,
+}
+
+
+def kernel_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """The CUDA function of one `kern.kernel` and what each of its parameters takes."""
+    kind = kernel.attributes["kind"]
+    binding = BINDINGS.get(kind)
+    if binding is None:
+        raise VerifyError(f"emit-cuda has no CUDA for a kernel of kind '{kind}'", kernel)
+    return binding(kernel)
 
 
 def unit_source(sources: list[KernelSource]) -> str:
@@ -84,8 +86,8 @@ def emit_module(module: Operation) -> str:
         if op.name == "kern.source":
             op.erase()
         elif op.name == "kern.kernel":
-            source = kernel_source(op)
-            op.attributes.update(function=source.name, arguments=bind_arguments(op, source),
+            source, arguments = kernel_binding(op)
+            op.attributes.update(function=source.name, arguments=arguments,
                                  alignment=source.alignment)
             sources.append(source)
     text = unit_source(sources)
