@@ -1,4 +1,4 @@
-"""emit-cuda's kernel templates on cuda-sim, against float64 numpy references.
+"""emit-cuda's kernel templates on cuda-sim and on a GPU, against float64 numpy references.
 
 Every family, forward and backward, runs on random inputs of awkward sizes
 (rows that are not a multiple of 32, a single row, rows of 1, 7, 33, 768,
@@ -7,6 +7,11 @@ launch runs under both of cuda-sim's schedules (`compare_schedules`), so a
 missing barrier shows as a difference, and the device checks every buffer's
 canaries after each launch. All the kernels are one translation unit,
 compiled once into the simulator's own cache.
+
+Where there is a GPU, every test that takes the `device` fixture runs again
+on it (marked `gpu`; `gpu_device.GpuDevice` answers the simulator's calls
+through the device runtime, the unit compiled by NVRTC): the same cases, the
+same references and tolerances, outputs poisoned before each launch.
 
 Tolerances, per element with an absolute floor: |got - want| <= tol * (|want|
 + max|want|), tol = 1e-5 for f32 results and 2e-2 for bf16 ones; the floor
@@ -25,6 +30,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
+from gpu_device import GPU, GpuDevice
 from sexpgpu.backends.cuda.nvrtc import compile_cubin, cubin_arch
 from sexpgpu.backends.cuda.sim import SimDevice
 from sexpgpu.passes.emit_cuda import templates as t
@@ -410,20 +416,26 @@ CASES = [
 PROGRAMS = [case.program for case in CASES]
 
 
-@pytest.fixture(scope="module")
-def device():
-    return SimDevice()
+@pytest.fixture(scope="module", params=["cuda-sim", pytest.param("cuda", marks=GPU)])
+def device(request):
+    if request.param == "cuda-sim":
+        yield SimDevice()
+        return
+    gpu = GpuDevice.open()
+    yield gpu
+    gpu.close()
 
 
 @pytest.fixture(scope="module")
 def module(device):
-    """Every kernel of every case in one translation unit, compiled once (the simulator's disk cache)."""
+    """Every kernel of every case in one translation unit, compiled once (the simulator's or NVRTC's disk cache)."""
     return device.compile(translation_unit(k for p in PROGRAMS for k in p.kernels), "emit_cuda_templates.cu")
 
 
 def run(device, module, program: KernelProgram, inputs: Mapping[str, np.ndarray], sizes: Mapping[str, int],
         output_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Run every launch of `program` under both schedules (they must agree); the outputs as float64 (or ints)."""
+    """Run every launch of `program` (on cuda-sim under both schedules, which must agree); the outputs as
+    float64 (or ints)."""
     values: dict[str, object] = dict(sizes)
     scratch = program.scratch_bytes(sizes)
     dtypes = {}
