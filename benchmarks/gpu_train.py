@@ -61,9 +61,9 @@ tiny size (`--tiny`: 1 layer, width 64, 2 heads, seq 32; the vocabulary and
 the step's shape stay), sexpgpu's side built (the training pipeline and,
 where this build has it, the CUDA lowering and NVRTC for sm_90) but not
 trained, PyTorch eager one step on the CPU (one thread), torch.compile not
-run; every
-figure only a GPU gives reads "not measured". `--device cuda-sim --tiny`
-trains sexpgpu's side on the simulated device instead (slow: a test device).
+run; every figure only a GPU gives reads "not measured". `--device cuda-sim
+--tiny` trains sexpgpu's side on the simulated device instead (slow: a test
+device; the PyTorch sides then run on the CPU).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -347,14 +348,18 @@ def spawn_side(side: str, args: argparse.Namespace, timeout: float, folder: Path
         env["TRITON_CACHE_DIR"] = str(folder / f"{side}-triton-cache")
     print(f"--- {LABELS[side]} (at most {timeout:.0f} s)", flush=True)
     started = time.perf_counter()
+    # A process group of its own: torch.compile's worker processes go with the side when it runs out of time.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     try:
-        done = subprocess.run(command, env=env, timeout=timeout, check=False)
+        status = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
         return {"status": "failed", "error": f"timed out after {timeout:.0f} s"}
     if result_path.exists():
         result = json.loads(result_path.read_text())
     else:
-        result = {"status": "failed", "error": f"the process ended with exit status {done.returncode} and no result"}
+        result = {"status": "failed", "error": f"the process ended with exit status {status} and no result"}
     result["wall_seconds"] = time.perf_counter() - started
     return result
 
