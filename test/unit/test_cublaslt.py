@@ -348,6 +348,7 @@ def _torch_cuda():
 GPU_SPECS = {name: spec for name, spec in SPECS.items() if spec.lda is None and spec.stride_b is None}
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("spec", GPU_SPECS.values(), ids=GPU_SPECS.keys())
 def test_matmul_on_a_gpu_equals_torch(spec):
     torch = _torch_cuda()

@@ -1,4 +1,4 @@
-"""emit-cuda's kernel templates on cuda-sim, against float64 numpy references.
+"""emit-cuda's kernel templates on cuda-sim and on a GPU, against float64 numpy references.
 
 Every family, forward and backward, runs on random inputs of awkward sizes
 (rows that are not a multiple of 32, a single row, rows of 1, 7, 33, 768,
@@ -7,6 +7,11 @@ launch runs under both of cuda-sim's schedules (`compare_schedules`), so a
 missing barrier shows as a difference, and the device checks every buffer's
 canaries after each launch. All the kernels are one translation unit,
 compiled once into the simulator's own cache.
+
+Where there is a GPU, every test that takes the `device` fixture runs again
+on it (marked `gpu`; `gpu_device.GpuDevice` answers the simulator's calls
+through the device runtime, the unit compiled by NVRTC): the same cases, the
+same references and tolerances, outputs poisoned before each launch.
 
 Tolerances, per element with an absolute floor: |got - want| <= tol * (|want|
 + max|want|), tol = 1e-5 for f32 results and 2e-2 for bf16 ones; the floor
@@ -25,6 +30,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
+from gpu_device import GPU, GpuDevice
+from sexpgpu.backends.cuda.driver_sim import SimRuntime
 from sexpgpu.backends.cuda.nvrtc import compile_cubin, cubin_arch
 from sexpgpu.backends.cuda.sim import SimDevice
 from sexpgpu.passes.emit_cuda import templates as t
@@ -410,20 +417,26 @@ CASES = [
 PROGRAMS = [case.program for case in CASES]
 
 
-@pytest.fixture(scope="module")
-def device():
-    return SimDevice()
+@pytest.fixture(scope="module", params=["cuda-sim", pytest.param("cuda", marks=GPU)])
+def device(request):
+    if request.param == "cuda-sim":
+        yield SimDevice()
+        return
+    gpu = GpuDevice.open()
+    yield gpu
+    gpu.close()
 
 
 @pytest.fixture(scope="module")
 def module(device):
-    """Every kernel of every case in one translation unit, compiled once (the simulator's disk cache)."""
+    """Every kernel of every case in one translation unit, compiled once (the simulator's or NVRTC's disk cache)."""
     return device.compile(translation_unit(k for p in PROGRAMS for k in p.kernels), "emit_cuda_templates.cu")
 
 
 def run(device, module, program: KernelProgram, inputs: Mapping[str, np.ndarray], sizes: Mapping[str, int],
         output_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Run every launch of `program` under both schedules (they must agree); the outputs as float64 (or ints)."""
+    """Run every launch of `program` (on cuda-sim under both schedules, which must agree); the outputs as
+    float64 (or ints)."""
     values: dict[str, object] = dict(sizes)
     scratch = program.scratch_bytes(sizes)
     dtypes = {}
@@ -475,6 +488,31 @@ def test_template_against_reference(case: Case, device, module):
     got = run(device, module, case.program, inputs, case.sizes, {n: np.shape(w) for n, w in want.items()})
     for name, value in want.items():
         assert_close(f"{case.id}: {name}", got[name], value, dtypes[name])
+
+
+ADAPTED = ["layernorm_backward f32 300x768", "softmax bf16 37x768", "cross_entropy f32 37x33 mean",
+           "scatter_add bf16 37 into 11x7 awkward"]
+
+
+def test_the_gpu_device_through_the_simulated_runtime(tmp_path):
+    """GpuDevice's own code (compile, poisoned allocations, launches, downloads, frees) over the runtime interface,
+    proven without a GPU on cuda-sim's runtime: cases with scratch, several launches, bf16, integer operands."""
+    gpu = GpuDevice(SimRuntime(memory_bytes=64 << 20, cache_dir=tmp_path))
+    cases = [c for c in CASES if c.id in ADAPTED]
+    module = gpu.compile(translation_unit(k for c in cases for k in c.program.kernels), "adapted.cu")
+    for case in cases:
+        rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+        inputs = stored(case.program, case.inputs(rng))
+        want = case.reference(widened(inputs))
+        dtypes = {p.name: p.dtype for p in case.program.params}
+        got = run(gpu, module, case.program, inputs, case.sizes, {n: np.shape(w) for n, w in want.items()})
+        for name, value in want.items():
+            assert_close(f"{case.id}: {name}", got[name], value, dtypes[name])
+    unwritten = gpu.alloc(8, "never written")
+    assert np.isnan(gpu.download(unwritten, np.float32, 2)).all()
+    assert gpu.download(unwritten, np.int32).tolist() == [-1, -1]
+    gpu.free(unwritten)
+    gpu.close()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
