@@ -37,8 +37,19 @@ from .evaluator import (
     register_special_form,
     user_location,
 )
-from .printing import show
-from .tracer import Tensor, Trace, Traceable, describe, dtype_name, module_path, require_trace
+from .limits import MAX_PARAMS
+from .printing import short_int, show
+from .tracer import (
+    Tensor,
+    Trace,
+    Traceable,
+    active_trace,
+    check_shape,
+    describe,
+    dtype_name,
+    module_path,
+    require_trace,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,7 +85,10 @@ def _constant(loc: Location | None, value: object) -> Init:
 def _located_number(x: object, what: str, loc: Location | None) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise SxError(f"{what} must be a number, got {describe(x)}", loc)
-    return float(x)
+    number = float(x) if not isinstance(x, int) or -(2**1024) < x < 2**1024 else math.inf
+    if not math.isfinite(number):
+        raise SxError(f"{what} must be a finite number, got {short_int(x)}", loc)
+    return number
 
 
 def seed_key(seed: int, path: str) -> int:
@@ -139,6 +153,8 @@ class ModelTree:
     def add_param(self, name: str, shape: tuple[int, ...], dtype: str, init: Init, loc: Location | None) -> Param:
         if not self.path_stack:
             raise SxError(f"(param {name} …) outside a module: parameters are registered by a defmodule body", loc)
+        if len(self.params) >= MAX_PARAMS:
+            raise SxError(f"the model has more than {MAX_PARAMS} parameters (tensors); is a sub-list far longer than meant?", loc)
         path = f"{self.path_stack[-1]}.{name}"
         first = self.params.get(path)
         if first is not None:
@@ -273,6 +289,7 @@ def _param(env: Env, args: list, loc: Location | None) -> Param:
     shape = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise SxError(f"param {name}: shape must be a vector of positive ints, got {show(shape)}", env.loc_of_arg(1))
+    check_shape(shape, f"param {name}", env.loc_of_arg(1))
     options = _keyword_options(env, args, 2, {"init", "dtype"}, f"param {name}")
     init = options.get("init", Init("normal", {"std": 0.02}))
     if not isinstance(init, Init):
@@ -319,6 +336,8 @@ def _sub_list(env: Env, args: list, loc: Location | None) -> SxList:
     n = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise SxError(f"sub-list {name}: the count must be a non-negative int, got {show(n)}", env.loc_of_arg(1))
+    if n > MAX_PARAMS:
+        raise SxError(f"sub-list {name}: {short_int(n)} modules is over the limit of {MAX_PARAMS}", env.loc_of_arg(1))
     tree = tree_of(env)
     if not tree.path_stack:
         raise SxError(f"(sub-list {name} …) outside a module: submodules are made by a defmodule body", loc)
@@ -348,7 +367,16 @@ def _defmodel(env: Env, args: list, loc: Location | None) -> Defined:
     name = symbol_arg(args, 0, env, "(defmodel name (constructor …))")
     if len(args) != 2:
         raise SxError("expected (defmodel name (constructor …))", loc)
+    trace = active_trace()
+    if trace is not None:
+        raise SxError(
+            f"defmodel cannot appear in code that runs while graph '{trace.name}' is traced (prepare, the "
+            "objective, an evaluation or a module's forward function): define the model at top level",
+            loc,
+        )
     tree = tree_of(env)
+    if tree.path_stack:
+        raise SxError(f"defmodel {name} inside the constructor of {tree.path_stack[-1]}: a submodule is (sub name (constructor …))", loc)
     if name in tree.models:
         raise SxError(f"model {name} is defined twice", loc)
     with tree.under(name):
