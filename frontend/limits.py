@@ -24,11 +24,11 @@ MAX_STRING_CHARS = 16_000_000
 #: A count the experiment forms take (steps, a batch, an interval, a seed): what numpy takes as an int64.
 MAX_COUNT = 2**63 - 1
 
-#: Elements of one tensor (a shape's product): 2^48, a petabyte of f32.
-MAX_ELEMENTS = 2**48
+#: Elements of one tensor (a shape's product): 2^40, 4 TiB of f32 (a parameter's bound too).
+MAX_ELEMENTS = 2**40
 #: Ops of one traced graph.
 MAX_GRAPH_OPS = 1_000_000
-#: Parameters (tensors) of one model, and modules one `sub-list` makes.
+#: Parameters (tensors) of one model.
 MAX_PARAMS = 10_000
 
 #: Forms nested in forms (lists, vectors, maps), as evaluated or quoted.

@@ -44,7 +44,6 @@ from .tracer import (
     Trace,
     Traceable,
     active_trace,
-    check_shape,
     describe,
     dtype_name,
     module_path,
@@ -85,7 +84,10 @@ def _constant(loc: Location | None, value: object) -> Init:
 def _located_number(x: object, what: str, loc: Location | None) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise SxError(f"{what} must be a number, got {describe(x)}", loc)
-    number = float(x) if not isinstance(x, int) or -(2**1024) < x < 2**1024 else math.inf
+    try:
+        number = float(x)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
     if not math.isfinite(number):
         raise SxError(f"{what} must be a finite number, got {short_int(x)}", loc)
     return number
@@ -289,7 +291,6 @@ def _param(env: Env, args: list, loc: Location | None) -> Param:
     shape = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise SxError(f"param {name}: shape must be a vector of positive ints, got {show(shape)}", env.loc_of_arg(1))
-    check_shape(shape, f"param {name}", env.loc_of_arg(1))
     options = _keyword_options(env, args, 2, {"init", "dtype"}, f"param {name}")
     init = options.get("init", Init("normal", {"std": 0.02}))
     if not isinstance(init, Init):
@@ -336,8 +337,6 @@ def _sub_list(env: Env, args: list, loc: Location | None) -> SxList:
     n = env.eval(args[1], env.loc_of_arg(1))
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise SxError(f"sub-list {name}: the count must be a non-negative int, got {show(n)}", env.loc_of_arg(1))
-    if n > MAX_PARAMS:
-        raise SxError(f"sub-list {name}: {short_int(n)} modules is over the limit of {MAX_PARAMS}", env.loc_of_arg(1))
     tree = tree_of(env)
     if not tree.path_stack:
         raise SxError(f"(sub-list {name} …) outside a module: submodules are made by a defmodule body", loc)

@@ -108,9 +108,10 @@ class Trace:
         """A splat constant of `shape`; ints stay ints in integer dtypes, and must fit them."""
         self._count_op(loc)
         if dtype in FLOAT_DTYPES:
-            if value.__class__ is int and not -_FLOAT_INT_LIMIT < value < _FLOAT_INT_LIMIT:
-                raise SxError(f"the integer {short_int(value)} is too large for a float tensor", loc)
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise SxError(f"the integer {short_int(value)} is too large for a float tensor", loc) from None
         elif dtype == "i1":
             value = bool(value)
         else:
@@ -140,8 +141,6 @@ class Trace:
 _SOURCE_NAMES = {"broadcast": "broadcast-to", "one_hot": "one-hot", "take_along": "take-along", "expand_dims": "expand-dims"}
 #: The values of the integer dtypes.
 _INT_RANGES = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
-#: Integers of this size or more do not convert to a float (f64's largest is about 1.8e308).
-_FLOAT_INT_LIMIT = 2**1024
 
 
 def check_shape(shape: Sequence[int], what: str, loc: Location | None) -> None:
