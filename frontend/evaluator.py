@@ -382,22 +382,18 @@ class Builtin:
     """
 
     sx_kind = "a function"
-    __slots__ = ("name", "fn", "wants_loc", "signature", "takes_keywords")
+    __slots__ = ("name", "fn", "wants_loc", "signature", "takes_keywords", "min_args", "max_args", "plain")
 
     def __init__(self, name: str, fn: Callable, wants_loc: bool = False, kwargs: bool = False) -> None:
         self.name = name
         self.fn = fn
         self.wants_loc = wants_loc
-        self.signature = signature_of(fn, 1 if wants_loc else 0, kwargs)
-        self.takes_keywords = bool(self.signature.keywords or self.signature.any_keyword)
-
-    @property
-    def min_args(self) -> int:
-        return self.signature.min_args
-
-    @property
-    def max_args(self) -> int | None:
-        return self.signature.max_args
+        self.signature = signature = signature_of(fn, 1 if wants_loc else 0, kwargs)
+        self.takes_keywords = bool(signature.keywords or signature.any_keyword)
+        self.min_args = signature.min_args
+        self.max_args = signature.max_args
+        #: No keyword is required: a call with a fitting number of arguments and no keywords needs no other check.
+        self.plain = not signature.required_keywords
 
     def __sx_repr__(self) -> str:
         return f"#<builtin {self.name}>"
@@ -410,7 +406,9 @@ class Builtin:
             if start < len(args):
                 kwargs = {args[i].name.replace("-", "_"): args[i + 1] for i in range(start, len(args), 2)}
                 args = args[:start]
-        self.signature.check(self.name, args, kwargs, loc)
+        n = len(args)
+        if kwargs is not None or not self.plain or n < self.min_args or (self.max_args is not None and n > self.max_args):
+            self.signature.check(self.name, args, kwargs, loc)
         try:
             if self.wants_loc:
                 return self.fn(loc, *args, **kwargs) if kwargs else self.fn(loc, *args)
@@ -1065,19 +1063,36 @@ OPERAND_LOCATED: set[str] = set()
 def _operand_call_node(fnode: Callable, args: list, loc: Location | None, form: SxList) -> Callable[[list], Any]:
     """A call whose error at this very form, naming an operand, is located at that operand."""
 
+    def relocated(e: SxError) -> None:
+        operand = getattr(e, "operand", None)
+        if operand is not None:
+            e.operand = None
+            if e.loc is loc and 0 <= operand < len(args):
+                where = element_loc(form, operand + 1)
+                if where is not None and where is not loc:
+                    e.loc = spanned(where)
+
+    if len(args) == 2:  # (+ a b), the commonest: no list comprehension to build the arguments
+        a, b = args
+
+        def pair(f: list) -> Any:
+            fn = fnode(f)
+            values = [a(f), b(f)]
+            try:
+                return invoke(fn, values, loc)
+            except SxError as e:
+                relocated(e)
+                raise
+
+        return pair
+
     def node(f: list) -> Any:
         fn = fnode(f)
         values = [n(f) for n in args]
         try:
             return invoke(fn, values, loc)
         except SxError as e:
-            operand = getattr(e, "operand", None)
-            if operand is not None:
-                e.operand = None
-                if e.loc is loc and 0 <= operand < len(args):
-                    where = element_loc(form, operand + 1)
-                    if where is not None and where is not loc:
-                        e.loc = spanned(where)
+            relocated(e)
             raise
 
     return node

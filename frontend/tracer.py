@@ -145,16 +145,15 @@ _INT_RANGES = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
 
 def check_shape(shape: Sequence[int], what: str, loc: Location | None) -> None:
     """An error unless `shape`'s dimensions are ≥ 0 and its element count is within `MAX_ELEMENTS`."""
-    count = 1
-    for d in shape:
-        if d < 0:
-            raise SxError(f"{what} would make a tensor of shape {show_shape(shape)}: a dimension cannot be negative", loc)
-        count *= d
-    if count > MAX_ELEMENTS:
-        raise SxError(
-            f"{what} would make a tensor of shape {show_shape(shape)}: {count} elements, over the limit of {MAX_ELEMENTS}",
-            loc,
-        )
+    if not shape or (min(shape) >= 0 and math.prod(shape) <= MAX_ELEMENTS):
+        return
+    if min(shape) < 0:
+        raise SxError(f"{what} would make a tensor of shape {show_shape(shape)}: a dimension cannot be negative", loc)
+    raise SxError(
+        f"{what} would make a tensor of shape {show_shape(shape)}: {math.prod(shape)} elements, over the limit of "
+        f"{MAX_ELEMENTS}",
+        loc,
+    )
 
 
 def _plain(message: str) -> str:
