@@ -8,53 +8,26 @@ is a `TensorLike`; on scalars they compute at once.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from ..diagnostics import Location, SxError
-from .data import TENSOR_OPS, Keyword, SxList, SxMap, SxVector, TensorLike
-from .evaluator import BuiltinError, Values, builtin, invoke, truthy
-from .printing import show
+from .data import MAP_KEY_RULE, MAP_KEY_TYPES, TENSOR_OPS, SxList, SxMap, SxVector, TensorLike
+from .evaluator import BuiltinError, Values, builtin, invoke, signature_of, truthy
+from .limits import INT_LIMIT, MAX_INT_DIGITS, MAX_ITEMS, MAX_STRING_CHARS, int_in_range
+from .printing import described, show
 
 _NUMBERS = (int, float)
-
-
-def _kind(value: Any) -> str:
-    """What a value is, for error messages."""
-    if value is None:
-        return "nil"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Keyword):
-        return "a keyword"
-    if isinstance(value, SxVector):
-        return "a vector"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a map"
-    if isinstance(value, TensorLike):
-        return "a tensor"
-    if isinstance(value, _NUMBERS):
-        return "a number"
-    return "a " + type(value).__name__.lower()
-
-
-def _described(value: Any) -> str:
-    """`value` printed, with what it is unless that is plain ("nil")."""
-    kind, text = _kind(value), show(value)
-    return text if kind == text else f"{text} ({kind})"
 
 
 def _tensor_call(name: str, loc: Location | None, args: tuple, kwargs: dict) -> Any:
     impl = TENSOR_OPS.get(name)
     if impl is None:
         raise SxError(f"'{name}' is not defined on tensors here (tensors exist only while tracing)", loc)
+    # The tensor implementation's own signature: (sqrt x) takes one tensor, (max x axis :keep b) an axis.
+    signature_of(impl, 1, True).check(name, args, kwargs, loc)
     return impl(loc, *args, **kwargs)
 
 
@@ -65,38 +38,20 @@ def _has_tensor(args: tuple) -> bool:
 def _check_numbers(name: str, args: tuple) -> None:
     for a in args:
         if a.__class__ not in _NUMBERS:
-            raise BuiltinError(f"expects numbers, got {_described(a)}")
+            raise BuiltinError(f"expects numbers, got {described(a)}")
 
 
-@functools.cache
-def _accepts(fn: Callable[..., Any], n: int) -> bool:
-    """Whether `fn` can be called with `n` positional arguments."""
-    try:
-        inspect.signature(fn).bind(*range(n))
-    except TypeError:
-        return False
-    except ValueError:  # a C function without a signature (abs, round): one argument
-        return n == 1
-    return True
+def _bounded(value: Any) -> Any:
+    """`value`, unless it is an integer over the size bound."""
+    if value.__class__ is int and not int_in_range(value):
+        raise BuiltinError(f"the result has more than {MAX_INT_DIGITS} digits (integers have at most {MAX_INT_DIGITS})")
+    return value
 
 
-@functools.cache
-def _expected_args(fn: Callable[..., Any]) -> str:
-    """How many positional arguments `fn` takes, in words ("1 argument", "1 to 2 arguments")."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except ValueError:  # a C function without a signature (abs, round): one argument
-        return "1 argument"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    low = sum(1 for p in positional if p.default is p.empty)
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return f"at least {low} argument{'' if low == 1 else 's'}"
-    high = len(positional)
-    return f"{low} argument{'' if low == 1 else 's'}" if low == high else f"{low} to {high} arguments"
-
-
-def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -> None:
-    """Register an arithmetic builtin: fast on two numbers, tensors to `TENSOR_OPS`, else checked."""
+def _overloaded(name: str, scalar: Callable[..., Any], pair: Callable[[Any, Any], Any] | None = None,
+                keywords: bool = False) -> None:  # fmt: skip
+    """Register an arithmetic builtin: `pair` at once on two numbers, tensors to `TENSOR_OPS`, else `scalar` checked."""
+    signature = signature_of(scalar)
 
     if keywords:
 
@@ -106,24 +61,25 @@ def _overloaded(name: str, scalar: Callable[..., Any], keywords: bool = False) -
             if kwargs:
                 raise BuiltinError(f"takes keyword arguments only on tensors, got :{next(iter(kwargs))}")
             _check_numbers(name, args)
-            if not _accepts(scalar, len(args)):
-                raise BuiltinError(f"expects {_expected_args(scalar)}, got {len(args)}")
+            signature.check(name, args, None, loc)
             return scalar(*args)
 
         builtin(name, loc=True, kwargs=True)(fn)
         return
 
-    takes_two = _accepts(scalar, 2)
-
     def fn(loc: Location | None, *args: Any) -> Any:  # type: ignore[misc]
-        if takes_two and len(args) == 2 and args[0].__class__ in _NUMBERS and args[1].__class__ in _NUMBERS:
-            return scalar(*args)
+        if pair is not None and len(args) == 2:
+            a, b = args
+            if a.__class__ in _NUMBERS and b.__class__ in _NUMBERS:
+                result = pair(a, b)
+                if result.__class__ is int and not -INT_LIMIT < result < INT_LIMIT:
+                    return _bounded(result)
+                return result
         if _has_tensor(args):
             return _tensor_call(name, loc, args, {})
         _check_numbers(name, args)
-        if not _accepts(scalar, len(args)):
-            raise BuiltinError(f"expects {_expected_args(scalar)}, got {len(args)}")
-        return scalar(*args)
+        signature.check(name, args, None, loc)
+        return _bounded(scalar(*args))
 
     builtin(name, loc=True)(fn)
 
@@ -134,7 +90,7 @@ def _variadic(op: Callable[[Any, Any], Any], unit: Any) -> Callable[..., Any]:
             return unit
         acc = args[0]
         for a in args[1:]:
-            acc = op(acc, a)
+            acc = _bounded(op(acc, a))
         return acc
 
     return fold
@@ -147,7 +103,7 @@ def _subtract(*args: Any) -> Any:
         return -args[0]
     acc = args[0]
     for a in args[1:]:
-        acc -= a
+        acc = _bounded(acc - a)
     return acc
 
 
@@ -194,6 +150,8 @@ def _math(fn: Callable[[float], Any]) -> Callable[[Any], Any]:
 
 
 def _pow(a: Any, b: Any) -> Any:
+    if a.__class__ is int and b.__class__ is int and abs(a) > 1 and (b > 4 * MAX_INT_DIGITS or b * math.log10(abs(a)) > MAX_INT_DIGITS):
+        raise BuiltinError(f"(pow {show(a)} {show(b)}) has more than {MAX_INT_DIGITS} digits (integers have at most {MAX_INT_DIGITS})")
     try:
         result = a**b
     except ZeroDivisionError as e:
@@ -220,13 +178,13 @@ def _extremum(pick: Callable) -> Callable[..., Any]:
     return fn
 
 
-_overloaded("+", _variadic(lambda a, b: a + b, 0))
-_overloaded("*", _variadic(lambda a, b: a * b, 1))
-_overloaded("-", _subtract)
-_overloaded("/", _divide)
-_overloaded("quot", _quot)
-_overloaded("mod", _mod)
-_overloaded("pow", _pow)
+_overloaded("+", _variadic(operator.add, 0), operator.add)
+_overloaded("*", _variadic(operator.mul, 1), operator.mul)
+_overloaded("-", _subtract, operator.sub)
+_overloaded("/", _divide, _divide2)
+_overloaded("quot", _quot, _quot)
+_overloaded("mod", _mod, _mod)
+_overloaded("pow", _pow, _pow)
 _overloaded("min", _extremum(min), keywords=True)
 _overloaded("max", _extremum(max), keywords=True)
 _overloaded("abs", abs)
@@ -293,7 +251,7 @@ def _seq(value: Any, what: str = "a list") -> list:
         return []
     if isinstance(value, (list, str)) and not isinstance(value, SxMap):
         return value  # type: ignore[return-value]
-    raise BuiltinError(f"expects {what}, got {_described(value)}")
+    raise BuiltinError(f"expects {what}, got {described(value)}")
 
 
 def _like(source: Any, items: list) -> list:
@@ -381,10 +339,25 @@ builtin("reduce", loc=True)(_fold)
 def _range(a: Any, b: Any = None, step: Any = 1) -> SxList:
     for v in (a, b, step):
         if v is not None and v.__class__ is not int:
-            raise BuiltinError(f"expects integers, got {show(v)}")
+            raise BuiltinError(f"expects integers, got {described(v)}")
+    if a is None:
+        raise BuiltinError("expects an integer end, got nil")
     if step == 0:
         raise BuiltinError("step must not be 0")
-    return SxList(range(a) if b is None else range(a, b, step))
+    numbers = range(a) if b is None else range(a, b, step)
+    _check_count(len(numbers))
+    return SxList(numbers)
+
+
+def _check_count(n: int) -> None:
+    if n > MAX_ITEMS:
+        raise BuiltinError(f"would make {n} items; a list or vector holds at most {MAX_ITEMS}")
+
+
+def _check_chars(text: str) -> str:
+    if len(text) > MAX_STRING_CHARS:
+        raise BuiltinError(f"would make a string of {len(text)} characters; a string holds at most {MAX_STRING_CHARS}")
+    return text
 
 
 @builtin("concat", loc=True, kwargs=True)
@@ -395,10 +368,12 @@ def _concat(loc: Location | None, *parts: Any, **kwargs: Any) -> Any:
     if kwargs:
         raise BuiltinError(f"takes keyword arguments only on tensors, got :{next(iter(kwargs))}")
     if parts and all(isinstance(p, str) for p in parts):
-        return "".join(parts)
+        return _check_chars("".join(parts))
+    seqs = [_seq(p, "lists or vectors") for p in parts]
+    _check_count(sum(len(p) for p in seqs))
     items: list = []
-    for p in parts:
-        items.extend(_seq(p, "lists or vectors"))
+    for p in seqs:
+        items.extend(p)
     return SxVector(items) if parts and all(isinstance(p, SxVector) for p in parts) else SxList(items)
 
 
@@ -416,7 +391,7 @@ def display(value: Any) -> str:
 
 @builtin("str")
 def _str(*parts: Any) -> str:
-    return "".join(display(p) for p in parts)
+    return _check_chars("".join(display(p) for p in parts))
 
 
 def format_message(template: Any, args: tuple) -> str:
@@ -438,7 +413,7 @@ def format_message(template: Any, args: tuple) -> str:
 
 @builtin("format")
 def _format(template: Any, *args: Any) -> str:
-    return format_message(template, args)
+    return _check_chars(format_message(template, args))
 
 
 @builtin("get")
@@ -446,10 +421,10 @@ def _get(m: Any, key: Any, default: Any = None) -> Any:
     if m is None:
         return default
     if isinstance(m, dict):
-        return m.get(key, default)
+        return m.get(_map_key(key), default)
     if isinstance(m, (list, str)) and key.__class__ is int:
         return m[key] if -len(m) <= key < len(m) else default
-    raise BuiltinError(f"expects a map (or a list and an index), got {_described(m)}")
+    raise BuiltinError(f"expects a map (or a list and an index), got {described(m)}")
 
 
 @builtin("assoc")
@@ -461,17 +436,23 @@ def _assoc(m: Any, *pairs: Any) -> Any:
         items = list(m)
         for i, v in zip(pairs[0::2], pairs[1::2]):
             if i.__class__ is not int:
-                raise BuiltinError(f"expects integer indices for {_described(m)}, got {_described(i)}")
+                raise BuiltinError(f"expects integer indices for {described(m)}, got {described(i)}")
             if not -len(items) <= i < len(items):
                 raise BuiltinError(f"index {i} is out of range for {_count_items(len(items))}")
             items[i] = v
         return _like(m, items)
     if m is not None and not isinstance(m, dict):
-        raise BuiltinError(f"expects a map (or a list and an index), got {_described(m)}")
+        raise BuiltinError(f"expects a map (or a list and an index), got {described(m)}")
     out = dict(m or {})
     for k, v in zip(pairs[0::2], pairs[1::2]):
-        out[k] = v
+        out[_map_key(k)] = v
     return out
+
+
+def _map_key(key: Any) -> Any:
+    if key.__class__ not in MAP_KEY_TYPES:
+        raise BuiltinError(f"{MAP_KEY_RULE}, got {described(key)}")
+    return key
 
 
 @builtin("keys")
@@ -479,14 +460,14 @@ def _keys(m: Any) -> SxList:
     if m is None:
         return SxList()
     if not isinstance(m, dict):
-        raise BuiltinError(f"expects a map, got {_described(m)}")
+        raise BuiltinError(f"expects a map, got {described(m)}")
     return SxList(m.keys())
 
 
 @builtin("contains?")
 def _contains(m: Any, key: Any) -> bool:
     if isinstance(m, dict):
-        return key in m
+        return _map_key(key) in m
     if isinstance(m, str):
         if not isinstance(key, str):
             raise BuiltinError(f"a string contains strings, not {show(key)}")

@@ -85,7 +85,7 @@ class _Located(list):
     located value per token, and building a `Location` for each was most of its cost.
     """
 
-    __slots__ = ("_loc", "_locs", "_src", "_pos", "_offs")
+    __slots__ = ("_loc", "_locs", "_src", "_pos", "_offs", "origin")
 
     def __init__(
         self,
@@ -95,6 +95,7 @@ class _Located(list):
         src: Any = None,
         pos: int | None = None,
         offs: list[int] | None = None,
+        origin: Location | None = None,
     ) -> None:
         super().__init__(items)
         self._loc = loc
@@ -102,6 +103,9 @@ class _Located(list):
         self._src = src
         self._pos = pos
         self._offs = offs
+        #: Where a quasiquote template wrote this list (it has no location of its own until a
+        #: macro's expansion places it at the macro's use); None for the rest.
+        self.origin = origin
 
     @property
     def loc(self) -> Location | None:
@@ -131,7 +135,7 @@ class _Located(list):
 
     def with_items(self, items: Any) -> _Located:
         """A datum of the same kind holding `items`, located where this one is (element i at i)."""
-        return self.__class__(items, self._loc, self._locs, self._src, self._pos, self._offs)
+        return self.__class__(items, self._loc, self._locs, self._src, self._pos, self._offs, self.origin)
 
 
 class SxList(_Located):
@@ -199,6 +203,13 @@ TENSOR_OPS: dict[str, Any] = {}
 TENSOR_OVERLOADED = (
     "+ - * / pow min max abs sqrt exp log cos sin tanh floor ceil round = != < <= > >= not".split()
 )
+
+#: What a map key may be: keywords, strings, symbols, numbers (`1` and `1.0` are one key, as `=`
+#: says) and nil. Not booleans (a Python dict takes `true` for the key `1`), and not containers,
+#: tensors or functions (a key is compared by value, and those have no value that stays put).
+MAP_KEY_TYPES = frozenset({Keyword, Symbol, str, int, float, type(None)})
+MAP_KEY_RULE = "a map key must be a keyword, string, symbol, number or nil"
+
 
 #: Names that evaluate to themselves (as a `Symbol` without location): dtypes, `none`, and the
 #: storage dtypes of token files (`(token-file "x.u32" :dtype u32)`).

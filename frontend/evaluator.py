@@ -29,16 +29,22 @@ Extension points for the layers above (the experiment language):
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import itertools
 import os
+import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..diagnostics import Location, SxError, nearest, source_line
+import attrs
+
+from ..diagnostics import Location, Note, SxError, nearest, source_line
 from .data import (
+    MAP_KEY_RULE,
+    MAP_KEY_TYPES,
     QUASIQUOTE,
     QUOTE,
     SELF_EVALUATING_NAMES,
@@ -51,16 +57,17 @@ from .data import (
     Symbol,
     element_loc,
 )
-from .printing import show
+from .limits import MAX_EXPANSION_DEPTH, MAX_NESTING
+from .printing import described, show, shown
 from .reader import read_file, read_text
 
 #: Nested calls of .sx functions allowed before a located "too deep" error.
 MAX_CALL_DEPTH = 10_000
-#: Python frames the analysed code may use: a few per .sx call, with room to spare.
-_PYTHON_RECURSION_LIMIT = MAX_CALL_DEPTH * 12 + 10_000
+#: Python frames the analysed code may use: a few per .sx call and per nested form, with room to spare.
+_PYTHON_RECURSION_LIMIT = max(MAX_CALL_DEPTH * 12, MAX_NESTING * 8) + 10_000
 #: "called from" lines an error keeps.
 _MAX_TRAIL = 20
-#: Stack of the evaluation thread: enough for `_PYTHON_RECURSION_LIMIT` frames.
+#: Stack of the evaluation thread: room for `_PYTHON_RECURSION_LIMIT` frames (see `_STACK_BYTES_PER_FRAME`).
 _THREAD_STACK_BYTES = 1024 * 1024 * 1024
 
 
@@ -175,6 +182,7 @@ def parse_params(form: Any, loc: Location | None, what: str) -> ParamSpec:
 class Closure:
     """A function made by `fn`, `defn` or `defmacro`."""
 
+    sx_kind = "a function"
     __slots__ = ("name", "spec", "env", "body", "nslots", "simple", "padding", "key_slots", "default_nodes")
 
     def __init__(self, name: str | None, spec: ParamSpec, env: list | None, body: Callable, nslots: int,
@@ -260,34 +268,34 @@ class Closure:
 
 
 class Macro:
-    """A macro: a function from forms to a form, run during analysis."""
+    """A macro: a function from forms to a form, run during analysis; `loc` is its `defmacro`."""
 
-    __slots__ = ("name", "fn")
+    sx_kind = "a macro"
+    __slots__ = ("name", "fn", "loc")
 
-    def __init__(self, name: str, fn: Closure) -> None:
+    def __init__(self, name: str, fn: Closure, loc: Location | None = None) -> None:
         self.name = name
         self.fn = fn
+        self.loc = loc
 
     def __sx_repr__(self) -> str:
         return f"#<macro {self.name}>"
 
 
-class Builtin:
-    """A function written in Python.
+class Signature:
+    """What a Python function takes from a .sx call, read from its Python signature.
 
-    `wants_loc`: the function's first argument is the call's `Location`.
-    `keywords`: the names (with '-' written '_') the function takes as Python keyword
-    arguments from `:name value` pairs at the end of a call; `any_keyword` when it
-    takes `**kwargs`.
+    The one check of every builtin's arguments (and of the tensor implementations the
+    overloaded builtins hand a call to): positional parameters without a default are
+    required, `*args` takes any number more, keyword-only parameters without a default
+    are required keyword arguments. `kwargs`: the function takes `:name value` pairs
+    (as keyword-only or defaulted parameters, `-` in names written `_`; any with `**kwargs`).
     """
 
-    __slots__ = ("name", "fn", "wants_loc", "keywords", "any_keyword", "min_args", "max_args", "arg_names")
+    __slots__ = ("min_args", "max_args", "arg_names", "keywords", "required_keywords", "any_keyword")
 
-    def __init__(self, name: str, fn: Callable, wants_loc: bool = False, kwargs: bool = False) -> None:
-        self.name = name
-        self.fn = fn
-        self.wants_loc = wants_loc
-        params = list(inspect.signature(fn).parameters.values())[1 if wants_loc else 0 :]
+    def __init__(self, fn: Callable, skip: int = 0, kwargs: bool = False) -> None:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.min_args = sum(1 for p in positional if p.default is p.empty)
         #: The positional parameters' names, as .sx writes them, to name a missing argument.
@@ -299,16 +307,25 @@ class Builtin:
             if kwargs
             else set()
         )
+        self.required_keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
         self.any_keyword = kwargs and any(p.kind is p.VAR_KEYWORD for p in params)
 
-    def __sx_repr__(self) -> str:
-        return f"#<builtin {self.name}>"
-
-    def call(self, args: list, loc: Location | None) -> Any:
-        kwargs = self._split_keywords(args, loc) if (self.keywords or self.any_keyword) else None
-        if kwargs is not None:
-            args = args[: len(args) - 2 * len(kwargs)]
+    def check(self, name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, loc: Location | None) -> None:
+        """An error at `loc` unless `args` and `kwargs` fit the signature."""
         n = len(args)
+        for key in kwargs or ():
+            spelt = key.replace("_", "-")
+            if spelt in self.arg_names[:n]:
+                raise SxError(
+                    f"'{name}' got '{spelt}' twice: as argument {self.arg_names.index(spelt) + 1} and as :{spelt}", loc
+                )
+            if not self.any_keyword and key not in self.keywords:
+                hint = nearest(key, self.keywords)
+                raise SxError(
+                    f"'{name}' has no keyword argument ':{spelt}'"
+                    + (f"; did you mean ':{hint.replace('_', '-')}'?" if hint else ""),
+                    loc,
+                )
         if n < self.min_args or (self.max_args is not None and n > self.max_args):
             if self.max_args == self.min_args:
                 expected = counted(self.min_args, "argument")
@@ -320,8 +337,78 @@ class Builtin:
                 missing = self.arg_names[n]
                 detail = f": missing '{missing}'" if not missing.startswith("-") else ""
             else:
-                detail = f": extra argument {show(args[self.max_args])}"
-            raise SxError(f"'{self.name}' expects {expected}, got {n}{detail}", loc)
+                detail = f": extra argument {shown(args[self.max_args])}"
+            raise SxError(f"'{name}' expects {expected}, got {n}{detail}", loc)
+        for key in self.required_keywords:
+            if not kwargs or key not in kwargs:
+                raise SxError(f"'{name}' requires the keyword argument ':{key.replace('_', '-')}'", loc)
+
+
+def signature_of(fn: Callable, skip: int = 0, kwargs: bool = False) -> Signature:
+    """The `Signature` of `fn` (its first `skip` parameters are not the call's), made once per code.
+
+    Keyed by the code object, not the function: each session makes new closures and
+    bound methods of the same code, and a cache holding them would keep every session alive.
+    """
+    if inspect.ismethod(fn):
+        fn, skip = fn.__func__, skip + 1
+    key = (getattr(fn, "__code__", fn), skip, kwargs)
+    signature = _SIGNATURES.get(key)
+    if signature is None:
+        signature = _SIGNATURES[key] = Signature(fn, skip, kwargs)
+    return signature
+
+
+_SIGNATURES: dict[tuple[Any, int, bool], Signature] = {}
+
+
+def argument_error(message: str, loc: Location | None, operand: int | str) -> SxError:
+    """An error about one argument of a builtin's call, located at the call.
+
+    `operand` is the argument's index among the positional arguments or the name of a
+    keyword argument (as the Python parameter spells it); a call of a builtin named in
+    `OPERAND_LOCATED` moves the caret under that argument's form.
+    """
+    err = SxError(message, loc)
+    err.operand = operand  # type: ignore[attr-defined]
+    return err
+
+
+class Builtin:
+    """A function written in Python.
+
+    `wants_loc`: the function's first argument is the call's `Location`.
+    `kwargs`: trailing `:name value` pairs become Python keyword arguments (see `Signature`).
+    """
+
+    sx_kind = "a function"
+    __slots__ = ("name", "fn", "wants_loc", "signature", "takes_keywords", "min_args", "max_args", "plain")
+
+    def __init__(self, name: str, fn: Callable, wants_loc: bool = False, kwargs: bool = False) -> None:
+        self.name = name
+        self.fn = fn
+        self.wants_loc = wants_loc
+        self.signature = signature = signature_of(fn, 1 if wants_loc else 0, kwargs)
+        self.takes_keywords = bool(signature.keywords or signature.any_keyword)
+        self.min_args = signature.min_args
+        self.max_args = signature.max_args
+        #: No keyword is required: a call with a fitting number of arguments and no keywords needs no other check.
+        self.plain = not signature.required_keywords
+
+    def __sx_repr__(self) -> str:
+        return f"#<builtin {self.name}>"
+
+    def call(self, args: list, loc: Location | None) -> Any:
+        kwargs = None
+        given = args
+        if self.takes_keywords:
+            start = self._keywords_start(args, loc)
+            if start < len(args):
+                kwargs = {args[i].name.replace("-", "_"): args[i + 1] for i in range(start, len(args), 2)}
+                args = args[:start]
+        n = len(args)
+        if kwargs is not None or not self.plain or n < self.min_args or (self.max_args is not None and n > self.max_args):
+            self.signature.check(self.name, args, kwargs, loc)
         try:
             if self.wants_loc:
                 return self.fn(loc, *args, **kwargs) if kwargs else self.fn(loc, *args)
@@ -332,39 +419,37 @@ class Builtin:
             raise SxError(f"'{self.name}': the data nests too deeply", loc) from None
         except OverflowError as e:  # an int too large for a float, in any builtin's arithmetic
             raise SxError(f"'{self.name}': {e}", loc) from None
+        except SxError as e:
+            operand = getattr(e, "operand", None)
+            if operand.__class__ is str:
+                # A keyword argument: the index of its value among the call's arguments, if it was given.
+                e.operand = next(  # type: ignore[attr-defined]
+                    (i + 1 for i in range(len(args), len(given), 2) if given[i].name.replace("-", "_") == operand), None
+                )
+            raise
 
-    def _split_keywords(self, args: list, loc: Location | None) -> dict[str, Any]:
-        """The trailing `:name value` pairs, as Python keyword arguments."""
+    def _keywords_start(self, args: list, loc: Location | None) -> int:
+        """Where the trailing `:name value` pairs start (the end of `args` when there are none)."""
+        signature = self.signature
         start = len(args)
-        for i in range(self.min_args, len(args)):
+        for i in range(signature.min_args, len(args)):
             arg = args[i]
-            if isinstance(arg, Keyword) and (self.any_keyword or arg.name.replace("-", "_") in self.keywords):
+            if isinstance(arg, Keyword) and (signature.any_keyword or arg.name.replace("-", "_") in signature.keywords):
                 start = i
                 break
         else:
             # No known keyword: trailing pairs that look like keyword arguments are a misspelling.
-            for i in range(self.min_args, len(args)):
+            for i in range(signature.min_args, len(args)):
                 if (len(args) - i) % 2 == 0 and all(isinstance(k, Keyword) for k in args[i::2]):
                     start = i
                     break
         tail = args[start:]
         if len(tail) % 2:
             raise SxError(f"keyword arguments to '{self.name}' must come in ':name value' pairs", loc)
-        kwargs: dict[str, Any] = {}
         for i in range(0, len(tail), 2):
-            key = tail[i]
-            if not isinstance(key, Keyword):
-                raise SxError(f"'{self.name}' expects ':name value' pairs after {show(tail[0])}, got {show(key)}", loc)
-            name = key.name.replace("-", "_")
-            if not self.any_keyword and name not in self.keywords:
-                hint = nearest(name, self.keywords)
-                raise SxError(
-                    f"'{self.name}' has no keyword argument ':{key.name}'"
-                    + (f"; did you mean ':{hint.replace('_', '-')}'?" if hint else ""),
-                    loc,
-                )
-            kwargs[name] = tail[i + 1]
-        return kwargs
+            if not isinstance(tail[i], Keyword):
+                raise SxError(f"'{self.name}' expects ':name value' pairs after {show(tail[0])}, got {show(tail[i])}", loc)
+        return start
 
 
 def counted(n: int, noun: str) -> str:
@@ -483,6 +568,10 @@ def invoke(fn: Any, args: list, loc: Location | None) -> Any:
         calls.append(loc)
         try:
             return fn.body(frame)
+        except RecursionError:
+            raise SxError(
+                f"calls and forms nest too deeply in {fn.describe()} (past the evaluator's recursion limit)", loc
+            ) from None
         except SxError as e:
             if e.loc is not None and e.loc.file in LIBRARY_FILES and loc is not None and loc.file not in LIBRARY_FILES:
                 # An error inside library code (the prelude) is the user's call's: located there, via the library.
@@ -520,19 +609,29 @@ class _FrameInfo:
 
 
 class Scope:
-    """The local names visible at a point of the code, mapped to slots of frames."""
+    """The local names visible at a point of the code, mapped to slots of frames.
 
-    __slots__ = ("names", "frame", "parent", "cache")
+    Scopes nest (a `let` in a `let` in a function …); `bound` is shared by a scope
+    and all its descendants and holds every name any of them binds, so a name no
+    local binds (`+`, a global) is known to be global at once instead of after a
+    walk up every enclosing scope: with that walk, 20,000 nested `let`s took
+    minutes to analyse.
+    """
+
+    __slots__ = ("names", "frame", "parent", "cache", "bound")
 
     def __init__(self, frame: _FrameInfo, parent: Scope | None) -> None:
         self.names: dict[str, int] = {}
         self.frame = frame
         self.parent = parent
+        self.bound: set[str] = parent.bound if parent is not None else set()
         #: Nodes analysed for `Env.eval`, by form identity (the form is kept alive with its node).
         self.cache: dict[int, tuple[Any, Callable]] = {}
 
     def lookup(self, name: str) -> tuple[int, int] | None:
         """(frames up, slot) of a local `name`, or None for a global."""
+        if name not in self.bound:
+            return None
         depth, scope = 0, self
         while scope is not None:
             slot = scope.names.get(name)
@@ -547,6 +646,7 @@ class Scope:
     def bind(self, name: str) -> int:
         slot = self.frame.allocate()
         self.names[name] = slot
+        self.bound.add(name)
         return slot
 
     def child(self) -> Scope:
@@ -625,6 +725,10 @@ class Evaluator:
         #: `sexpgpu-opt --split-input-file`, or standard input).
         self.sources: dict[str, str] = {}
         self._gensym_counter = itertools.count(1)
+        #: Forms being analysed, each inside the one before (see `MAX_NESTING`).
+        self._nesting = 0
+        #: The macro uses whose expansions are being analysed, outermost first.
+        self._expansions: list[tuple[Macro, Location | None]] = []
         for b in (
             Builtin("gensym", self.gensym),
             Builtin("macroexpand-1", lambda loc, form: self.macroexpand(form, loc, once=True), wants_loc=True),
@@ -651,6 +755,7 @@ class Evaluator:
 
     def eval_text(self, text: str, file: str = "<string>") -> list[Any]:
         """Evaluate every top-level form of `text`; the value of each."""
+        self.sources[os.path.abspath(file)] = text  # what forms that read their file ahead (`defknobs`) see
         forms = read_text(text, file)
         return run_deep(lambda: [self.eval_toplevel(f, loc) for f, loc in zip(forms, forms.locs)])
 
@@ -663,8 +768,18 @@ class Evaluator:
     def eval_toplevel(self, form: Any, loc: Location | None) -> Any:
         """Analyse and run one top-level form."""
         scope = Scope(_FrameInfo(), None)
-        node = self.analyze(form, scope, loc)
-        return node([None] * scope.frame.size)
+        try:
+            node = self.analyze(form, scope, loc)
+            return node([None] * scope.frame.size)
+        except SxError as err:
+            raise in_expansions(err) from None
+        except RecursionError:
+            # The bounds on nesting and calls keep within Python's limit; together they may not.
+            raise SxError(
+                f"{form_name(form)} nests too deeply to evaluate: its calls and forms together pass "
+                "the evaluator's recursion limit",
+                getattr(form, "loc", None) or loc,
+            ) from None
 
     def read_source(self, path: str) -> SxList:
         """The forms of `path`: its text in `sources` when given there, else the file's."""
@@ -686,7 +801,9 @@ class Evaluator:
         return results
 
     def require(self, target: str, loc: Location | None) -> None:
-        """Evaluate the file `target` (relative to the requiring file) unless done already."""
+        """Evaluate the `.sx` file `target` (relative to the requiring file) unless done already."""
+        if not target.endswith(".sx"):
+            raise SxError(f"cannot require '{target}': require loads .sx source files only", loc)
         base = os.path.dirname(loc.file) if loc and not loc.file.startswith("<") else "."
         path = os.path.normpath(os.path.join(base, target))
         full = os.path.abspath(path)
@@ -695,8 +812,14 @@ class Evaluator:
             raise SxError("require cycle: " + " -> ".join(os.path.basename(p) for p in chain), loc)
         if full in self.loaded:
             return
-        if not os.path.isfile(path):
-            raise SxError(f"cannot require '{target}': no such file {path}", loc)
+        if full not in self.sources:
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                raise SxError(f"cannot require '{target}': no such file {path}", loc) from None
+            if not stat.S_ISREG(mode):
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+                raise SxError(f"cannot require '{target}': {path} is {kind}", loc)
         self.loaded.add(full)
         try:
             self._eval_file(path)
@@ -725,32 +848,48 @@ class Evaluator:
         return None
 
     def expand_1(self, macro: Macro, form: SxList, loc: Location | None) -> Any:
-        """One expansion of a macro use; lists the expansion builds are located at the use."""
+        """One expansion of a macro use; lists the expansion builds are located at the use.
+
+        Each such list gets its own `ExpandedLocation`: the use's position, and where
+        the macro's template wrote the list, so an error there names both.
+        """
         expansion = invoke(macro.fn, list(form[1:]), loc)
         if loc is not None:
-            _stamp(expansion, loc)
+            _stamp(expansion, macro, loc)
         return expansion
 
     def macroexpand(self, form: Any, loc: Location | None, once: bool = False) -> Any:
-        while True:
+        for _ in range(MAX_EXPANSION_DEPTH):
             macro = self.macro_of(form)
             if macro is None:
                 return form
             form = self.expand_1(macro, form, getattr(form, "loc", None) or loc)
             if once:
                 return form
+        macro = self.macro_of(form)
+        if macro is None:
+            return form
+        raise _endless_expansion(macro, loc)
 
     def expand_all(self, form: Any, loc: Location | None) -> Any:
         """`form` with every macro use expanded (for the `macro-expand` pass); quoted data untouched."""
+        try:
+            return self._expand_all(form, loc, 0)
+        except SxError as err:
+            raise in_expansions(err) from None
+
+    def _expand_all(self, form: Any, loc: Location | None, depth: int) -> Any:
+        if depth > MAX_NESTING:
+            raise _nested_too_deeply(form, getattr(form, "loc", None) or loc)
         form = self.macroexpand(form, loc)
         if form.__class__ is SxList and form:
             head = form[0]
             if head.__class__ is Symbol and head.name in (QUOTE, QUASIQUOTE):
                 # Templates expand after substitution, when the macro's result is expanded.
                 return form
-            return form.with_items([self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)])
+            return form.with_items([self._expand_all(x, element_loc(form, i), depth + 1) for i, x in enumerate(form)])
         if isinstance(form, (SxVector, SxMap)):
-            return form.with_items([self.expand_all(x, element_loc(form, i)) for i, x in enumerate(form)])
+            return form.with_items([self._expand_all(x, element_loc(form, i), depth + 1) for i, x in enumerate(form)])
         return form
 
     # -- analysis --
@@ -760,18 +899,22 @@ class Evaluator:
         cls = form.__class__
         if cls is Symbol:
             return self._analyze_symbol(form, scope)
-        if cls is SxList:
-            if not form:
-                return constant_node(None)
-            return self._analyze_list(form, scope)
-        if cls is SxVector:
+        if cls is not SxList and cls is not SxVector and cls is not SxMap:
+            return constant_node(form)
+        if not form and cls is SxList:
+            return constant_node(None)
+        self._nesting += 1
+        try:
+            if self._nesting > MAX_NESTING:
+                raise _nested_too_deeply(form, form.loc or loc)
+            if cls is SxList:
+                return self._analyze_list(form, scope)
             nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
-            return lambda f: SxVector([n(f) for n in nodes])
-        if cls is SxMap:
-            nodes = [self.analyze(x, scope, element_loc(form, i)) for i, x in enumerate(form)]
-            pairs = list(zip(nodes[0::2], nodes[1::2]))
-            return lambda f: {k(f): v(f) for k, v in pairs}
-        return constant_node(form)
+            if cls is SxVector:
+                return lambda f: SxVector([n(f) for n in nodes])
+            return _map_node(nodes, [element_loc(form, i) for i in range(0, len(form), 2)])
+        finally:
+            self._nesting -= 1
 
     def _analyze_symbol(self, sym: Symbol, scope: Scope) -> Callable[[list], Any]:
         name = sym.name
@@ -808,15 +951,26 @@ class Evaluator:
                 return self._analyze_registered(special, form, scope)
             macro = self.macro_of(form, scope)
             if macro is not None:
-                return self.analyze(self.expand_1(macro, form, loc), scope, loc)
+                return self._analyze_expansion(macro, form, scope, loc)
             if (name == UNQUOTE or name == UNQUOTE_SPLICING) and name not in self.globals:
-                shown = "," if name == UNQUOTE else ",@"
-                raise SxError(f"'{shown}' ({name}) is only allowed inside a quasiquote (`)", loc)
+                spelling = "," if name == UNQUOTE else ",@"
+                raise SxError(f"'{spelling}' ({name}) is only allowed inside a quasiquote (`)", loc)
         fnode = self.analyze(head, scope, element_loc(form, 0))
         args = [self.analyze(x, scope, element_loc(form, i + 1)) for i, x in enumerate(form[1:])]
         if head.__class__ is Symbol and head.name in OPERAND_LOCATED and scope.lookup(head.name) is None:
             return _operand_call_node(fnode, args, loc, form)
         return _call_node(fnode, args, loc)
+
+    def _analyze_expansion(self, macro: Macro, form: SxList, scope: Scope, loc: Location | None) -> Callable[[list], Any]:
+        expansions = self._expansions
+        if len(expansions) >= MAX_EXPANSION_DEPTH:
+            first, where = expansions[0]
+            raise _endless_expansion(first, where)
+        expansions.append((macro, loc))
+        try:
+            return self.analyze(self.expand_1(macro, form, loc), scope, loc)
+        finally:
+            expansions.pop()
 
     def _analyze_registered(self, special: Callable, form: SxList, scope: Scope) -> Callable[[list], Any]:
         args = list(form[1:])
@@ -909,19 +1063,36 @@ OPERAND_LOCATED: set[str] = set()
 def _operand_call_node(fnode: Callable, args: list, loc: Location | None, form: SxList) -> Callable[[list], Any]:
     """A call whose error at this very form, naming an operand, is located at that operand."""
 
+    def relocated(e: SxError) -> None:
+        operand = getattr(e, "operand", None)
+        if operand is not None:
+            e.operand = None
+            if e.loc is loc and 0 <= operand < len(args):
+                where = element_loc(form, operand + 1)
+                if where is not None and where is not loc:
+                    e.loc = spanned(where)
+
+    if len(args) == 2:  # (+ a b), the commonest: no list comprehension to build the arguments
+        a, b = args
+
+        def pair(f: list) -> Any:
+            fn = fnode(f)
+            values = [a(f), b(f)]
+            try:
+                return invoke(fn, values, loc)
+            except SxError as e:
+                relocated(e)
+                raise
+
+        return pair
+
     def node(f: list) -> Any:
         fn = fnode(f)
         values = [n(f) for n in args]
         try:
             return invoke(fn, values, loc)
         except SxError as e:
-            operand = getattr(e, "operand", None)
-            if operand is not None:
-                e.operand = None
-                if e.loc is loc and 0 <= operand < len(args):
-                    where = element_loc(form, operand + 1)
-                    if where is not None and where is not loc:
-                        e.loc = spanned(where)
+            relocated(e)
             raise
 
     return node
@@ -962,17 +1133,138 @@ def truthy(value: Any) -> bool:
     return not (value is None or value is False or (value.__class__ is SxList and not value))
 
 
-def _stamp(form: Any, loc: Location) -> None:
-    """Give the lists a macro built (which have no location) the location of the macro's use."""
-    if isinstance(form, (SxList, SxVector, SxMap)):
-        if form.loc is None:
-            form.loc = loc
-            for x in form:
-                _stamp(x, loc)
+# -- macro expansions ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ExpandedLocation(Location):
+    """Where a list that a macro's expansion built is: the position of the macro's `use`.
+
+    It remembers the `macro` and where its template wrote the list (`origin`, None when
+    the macro built it otherwise), so an error located here can name both, as
+    `in_expansions` does. Ops and reports see the use's position, as before.
+    """
+
+    macro: Macro | None = attrs.field(default=None, eq=False, repr=False)
+    use: Location | None = attrs.field(default=None, eq=False, repr=False)
+    origin: Location | None = attrs.field(default=None, eq=False, repr=False)
+
+    def with_via(self, via: Location | None) -> Location:
+        return attrs.evolve(self, via=via)
+
+
+def _stamp(expansion: Any, macro: Macro, use: Location) -> None:
+    """Locate the lists an expansion built (they have no location) at the macro's `use`."""
+    stack = [expansion]
+    while stack:
+        form = stack.pop()
+        if isinstance(form, (SxList, SxVector, SxMap)) and form.loc is None:
+            form.loc = ExpandedLocation(
+                use.file, use.line, use.col, use.end_col, use.via, macro=macro, use=use, origin=form.origin
+            )
+            stack.extend(form)
+
+
+#: Notes an error in nested expansions keeps: the innermost ones and the outermost use.
+_MAX_EXPANSION_NOTES = 8
+
+
+def in_expansions(err: SxError) -> SxError:
+    """`err`, when located in a macro's expansion, told as compilers tell it.
+
+    The error moves to where the macro wrote the failing form (its template, else the
+    `defmacro`), and a note `in the expansion of macro 'm'` points at each use it was
+    expanded from, innermost first. Any other error is left as it is.
+    """
+    where = err.loc
+    if not isinstance(where, ExpandedLocation):
+        return err
+    notes: list[Note] = []
+    while isinstance(where, ExpandedLocation):
+        macro = where.macro
+        written = where.origin or (macro.loc if macro is not None else None) or where
+        if notes:
+            notes[-1] = Note(written, notes[-1].message)
+        else:
+            err.loc = written.with_via(where.via) if where.via is not None else written
+        notes.append(Note(where.use, f"in the expansion of macro '{macro.name if macro else '?'}'"))
+        where = where.use
+    if len(notes) > _MAX_EXPANSION_NOTES:
+        left_out = len(notes) - _MAX_EXPANSION_NOTES
+        notes = [*notes[: _MAX_EXPANSION_NOTES - 1], Note(None, f"({left_out} more expansions)"), notes[-1]]
+    err.notes[:0] = notes
+    return err
+
+
+def _endless_expansion(macro: Macro, loc: Location | None) -> SxError:
+    return SxError(
+        f"macro '{macro.name}' expands without end: more than {MAX_EXPANSION_DEPTH} expansions inside one "
+        "another (does its expansion use it again?)",
+        loc,
+    )
+
+
+def form_name(form: Any) -> str:
+    """A form named in a message: `(let …)`, `[…]`, `{…}`, or an atom as printed."""
+    if form.__class__ is SxList:
+        return f"({form[0].name} …)" if form and form[0].__class__ is Symbol else "(…)"
+    if form.__class__ is SxVector:
+        return "[…]"
+    if form.__class__ is SxMap:
+        return "{…}"
+    return described(form)
+
+
+def _nested_too_deeply(form: Any, loc: Location | None) -> SxError:
+    return SxError(f"{form_name(form)} is nested more than {MAX_NESTING} forms deep", loc)
+
+
+def check_nesting(datum: Any, loc: Location | None) -> None:
+    """An error unless `datum` (quoted data) nests at most `MAX_NESTING` deep; walked without recursion."""
+    stack = [(datum, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)) and item:
+            if depth > MAX_NESTING:
+                raise _nested_too_deeply(item, getattr(item, "loc", None) or loc)
+            stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
+
+
+def _map_node(nodes: list, key_locs: list) -> Callable[[list], dict]:
+    """A map literal's node: its keys checked against the map-key rule, each located at its form."""
+    entries = list(zip(nodes[0::2], nodes[1::2], key_locs))
+
+    def build(f: list) -> dict:
+        out = {}
+        for key_node, value_node, where in entries:
+            key = key_node(f)
+            if key.__class__ not in MAP_KEY_TYPES:
+                raise SxError(f"{MAP_KEY_RULE}, got {described(key)}", where)
+            out[key] = value_node(f)
+        return out
+
+    return build
+
+
+# -- the evaluation thread --------------------------------------------------------------------
+
+#: Stack sizes tried for the evaluation thread, largest first: a smaller one when the process
+#: may not map the larger (`ulimit -v`), with a recursion limit in proportion.
+_STACK_SIZES = (_THREAD_STACK_BYTES, 256 << 20, 64 << 20, 16 << 20)
+#: Bytes of thread stack to allow per frame of Python's recursion limit. Python-to-Python calls
+#: take none; a recursion through C takes some (`=` on nested lists: about 280 bytes a frame,
+#: measured on CPython 3.11), so this leaves a margin of seven.
+_STACK_BYTES_PER_FRAME = 2 << 10
+#: Seconds a Ctrl-C waits for the evaluation to stop before the process leaves it behind.
+_INTERRUPT_GRACE = 2.0
 
 
 def run_deep(body: Callable[[], Any]) -> Any:
-    """Run `body` where deep recursion of analysed code fits (a thread with a large stack)."""
+    """Run `body` where deep recursion of analysed code fits (a thread with a large stack).
+
+    Ctrl-C interrupts it: the `KeyboardInterrupt` the main thread gets is raised in the
+    evaluation thread too, so a long evaluation stops and the interrupt reaches the caller.
+    """
     if getattr(_deep, "active", False):
         return body()
     result: list = []
@@ -986,19 +1278,62 @@ def run_deep(body: Callable[[], Any]) -> Any:
             error.append(e)
 
     old_limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old_limit, _PYTHON_RECURSION_LIMIT))
-    old_size = threading.stack_size()
-    threading.stack_size(_THREAD_STACK_BYTES)
     try:
-        thread = threading.Thread(target=target, name="sx-eval")
-        thread.start()
+        thread = _start_deep_thread(target, old_limit)
+        _join(thread)
     finally:
-        threading.stack_size(old_size)
-    thread.join()
-    sys.setrecursionlimit(old_limit)
+        sys.setrecursionlimit(old_limit)
     if error:
         raise error[0]
     return result[0]
+
+
+def _stack_sizes() -> list[int]:
+    """The stack sizes to try: under a virtual-memory limit, none over a quarter of it (the rest is the heap's)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return list(_STACK_SIZES)
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return list(_STACK_SIZES)
+    return [size for size in _STACK_SIZES if size <= limit // 4] or [_STACK_SIZES[-1]]
+
+
+def _start_deep_thread(target: Callable[[], None], old_limit: int) -> threading.Thread:
+    """Start `target` on a daemon thread with the largest stack the process can have."""
+    old_size = threading.stack_size()
+    sizes = _stack_sizes()
+    try:
+        for size in sizes:
+            thread = threading.Thread(target=target, name="sx-eval", daemon=True)
+            limit = min(_PYTHON_RECURSION_LIMIT, size // _STACK_BYTES_PER_FRAME)
+            sys.setrecursionlimit(max(old_limit, limit))
+            try:
+                threading.stack_size(size)
+                thread.start()
+            except (RuntimeError, ValueError, MemoryError):
+                if size == sizes[-1]:
+                    raise SxError(
+                        "cannot start the evaluator: the process may not map a thread stack of "
+                        f"{size >> 20} MiB (is the virtual memory limit, ulimit -v, too low?)"
+                    ) from None
+                continue
+            return thread
+    finally:
+        threading.stack_size(old_size)
+    raise AssertionError("unreachable")
+
+
+def _join(thread: threading.Thread) -> None:
+    """Wait for `thread`; on Ctrl-C, interrupt it and wait a little for it to stop."""
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        if thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+        thread.join(_INTERRUPT_GRACE)
+        raise
 
 
 _deep = threading.local()

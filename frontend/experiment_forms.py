@@ -13,6 +13,7 @@ evaluation's or a diagnostic's name, `defrun = #<run 300 steps>`.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,13 @@ from ..dialects.inits import Init
 from . import modules
 from .data import Keyword, SxList, Symbol, element_loc
 from .evaluator import (
+    OPERAND_LOCATED,
     Builtin,
     BuiltinError,
     Closure,
     Defined,
     Env,
+    argument_error,
     register_builtin,
     register_special_form,
 )
@@ -45,10 +48,11 @@ from .experiment_definitions import (
     Schedule,
     Source,
 )
+from .limits import MAX_COUNT
 from .modules import Shown, symbol_arg
-from .printing import show
+from .printing import described, short_int, show
 from .selection import Knob, Selection, Variant
-from .tracer import EMITS, dtype_name
+from .tracer import EMITS, active_trace, check_shape, dtype_name
 
 PRELUDE_PATH = str(Path(__file__).with_name("prelude.sx"))
 
@@ -100,22 +104,79 @@ def _options(
     return values, locs
 
 
-def _int(value: Any, what: str, loc: Location | None, minimum: int = 1) -> int:
+def _error(message: str, loc: Location | None, operand: int | str | None) -> SxError:
+    """An error at `loc`; at the argument `operand` of a builtin's call when given (see `argument_error`)."""
+    return SxError(message, loc) if operand is None else argument_error(message, loc, operand)
+
+
+def _int(value: Any, what: str, loc: Location | None, minimum: int = 1, operand: int | str | None = None) -> int:
+    """An int from `minimum` to `MAX_COUNT` (a step count, a size, a seed)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise SxError(f"{what} must be an int ≥ {minimum}, got {show(value)}", loc)
+        raise _error(f"{what} must be an int ≥ {minimum}, got {show(value)}", loc, operand)
+    if value > MAX_COUNT:
+        raise _error(f"{what} must be at most {MAX_COUNT}, got {short_int(value)}", loc, operand)
     return value
 
 
-def _float(value: Any, what: str, loc: Location | None) -> float:
+def _float(value: Any, what: str, loc: Location | None, operand: int | str | None = None) -> float:
+    """A finite number, as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SxError(f"{what} must be a number, got {show(value)}", loc)
-    return float(value)
+        raise _error(f"{what} must be a number, got {show(value)}", loc, operand)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise _error(f"{what} must be a finite number, got {short_int(value)} (too large for a float)", loc, operand) from None
+    if not math.isfinite(number):
+        raise _error(f"{what} must be a finite number, got {show(value)}", loc, operand)
+    return number
+
+
+def _in_range(value: Any, what: str, loc: Location | None, operand: int | str | None, key: str) -> float:
+    """A finite number in the range `_RANGES[key]` allows."""
+    number = _float(value, what, loc, operand)
+    test, expected = _RANGES[key]
+    if not test(number):
+        raise _error(f"{what} must be {expected}, got {show(value)}", loc, operand)
+    return number
+
+
+#: The ranges of the hyperparameters, as a test and as words.
+_RANGES: dict[str, tuple[Any, str]] = {
+    "lr": (lambda x: x >= 0, "≥ 0"),
+    "peak": (lambda x: x >= 0, "≥ 0"),
+    "beta": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "eps": (lambda x: x > 0, "> 0"),
+    "weight_decay": (lambda x: x >= 0, "≥ 0"),
+    "momentum": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "floor": (lambda x: 0 <= x <= 1, "in [0, 1] (a fraction of the peak)"),
+}
 
 
 def _kind(value: Any, cls: type, what: str, expected: str, loc: Location | None) -> Any:
     if not isinstance(value, cls):
         raise SxError(f"{what} must be {expected}, got {show(value)}", loc)
     return value
+
+
+def _not_traced(what: str, loc: Location | None) -> None:
+    """An error when an experiment definition runs while a graph is traced: it belongs at top level."""
+    trace = active_trace()
+    if trace is not None:
+        raise SxError(
+            f"{what} cannot appear in code that runs while graph '{trace.name}' is traced (prepare, the "
+            "objective, an evaluation or a module's forward function): define it at top level",
+            loc,
+        )
+
+
+def _definition(name: str, form: Any) -> Any:
+    """The experiment form `form`, refused while a graph is traced."""
+
+    def checked(env: Env, args: list, loc: Location | None) -> Any:
+        _not_traced(name, loc)
+        return form(env, args, loc)
+
+    return checked
 
 
 # -- knobs and variants ------------------------------------------------------------------------
@@ -205,16 +266,19 @@ def _file_source(kind: str):
 def _token_file(loc: Location | None, path: Any, *, dtype: Any = "u16") -> Source:
     """`(token-file "x.u16" :dtype u16|u32)`: one little-endian token id per element."""
     source = _file_source("token-file")(loc, path)
-    source.options["dtype"] = dtype.name if isinstance(dtype, Symbol) else dtype
+    name = dtype.name if isinstance(dtype, Symbol) else dtype
+    if name not in ("u16", "u32"):
+        raise argument_error(f"token-file :dtype must be u16 or u32, got {described(dtype)}", loc, "dtype")
+    source.options["dtype"] = name
     return source
 
 
 def _synthetic_tokens(loc: Location | None, *, vocab: Any, count: Any, seed: Any = 0, branch: Any = 4) -> Source:
     return Source("synthetic-tokens", {
-        "vocab": _int(vocab, "synthetic-tokens :vocab", loc, 2),
-        "count": _int(count, "synthetic-tokens :count", loc),
-        "seed": _int(seed, "synthetic-tokens :seed", loc, 0),
-        "branch": _int(branch, "synthetic-tokens :branch", loc),
+        "vocab": _int(vocab, "synthetic-tokens :vocab", loc, 2, "vocab"),
+        "count": _int(count, "synthetic-tokens :count", loc, 1, "count"),
+        "seed": _int(seed, "synthetic-tokens :seed", loc, 0, "seed"),
+        "branch": _int(branch, "synthetic-tokens :branch", loc, 1, "branch"),
     })  # fmt: skip
 
 
@@ -238,6 +302,8 @@ def _defloader(env: Env, args: list, loc: Location | None) -> Defined:
             raise SxError(f"{what}: field {f[0].name} needs a vector of positive ints as its shape, got {show(shape)}", floc)
         fields.append(FieldDef(f[0].name, tuple(shape), dtype_name(env.eval(f[2], floc), f"{what} field {f[0].name}", floc)))
     batch = _int(opts["batch"], f"{what} :batch", locs["batch"])
+    for f, form in zip(fields, fields_form):
+        check_shape((batch, *f.shape), f"{what} field {f.name}", getattr(form, "loc", None) or locs["fields"])
     seed = opts.get("seed")
     if seed is not None:
         seed = _int(seed, f"{what} :seed", locs["seed"], 0)
@@ -254,22 +320,22 @@ _HYPER_KEYS = {kind: tuple(defaults) for kind, defaults in OPTIMIZER_DEFAULTS.it
 
 
 def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) -> dict[str, Any]:
+    """The hyperparameters among `options`, each checked; an error points at the offending one."""
     hyper: dict[str, Any] = {}
     for key, value in options.items():
         shown = ":" + key.replace("_", "-")
         if key == "lr":
-            if not isinstance(value, (Schedule, int, float)) or isinstance(value, bool):
-                if not (isinstance(value, Init) and value.kind == "constant"):
-                    raise SxError(f"{what} {shown} must be a number or a schedule, got {show(value)}", loc)
-            hyper["lr"] = value
+            hyper["lr"] = _learning_rate(value, f"{what} :lr", loc)
         elif key == "betas":
             if not isinstance(value, list) or len(value) != 2:
-                raise SxError(f"{what} :betas must be [b1 b2], got {show(value)}", loc)
-            hyper["betas"] = [_float(b, f"{what} :betas", loc) for b in value]
+                raise argument_error(f"{what} :betas must be [b1 b2], got {show(value)}", loc, key)
+            hyper["betas"] = [_in_range(b, f"{what} :betas", loc, key, "beta") for b in value]
         elif key == "nesterov":
-            hyper["nesterov"] = bool(value)
+            if not isinstance(value, bool):
+                raise argument_error(f"{what} :nesterov must be true or false, got {described(value)}", loc, key)
+            hyper["nesterov"] = value
         elif key in ("eps", "weight_decay", "momentum"):
-            hyper[key] = _float(value, f"{what} {shown}", loc)
+            hyper[key] = _in_range(value, f"{what} {shown}", loc, key, key)
         else:
             hint = nearest(key, ["lr", *_HYPER_KEYS.get(kind, ("betas", "eps", "weight_decay", "momentum", "nesterov"))])
             raise SxError(
@@ -277,6 +343,18 @@ def _hyper(loc: Location | None, kind: str, options: dict[str, Any], what: str) 
                 loc,
             )
     return hyper
+
+
+def _learning_rate(value: Any, what: str, loc: Location | None) -> Any:
+    """A learning rate: a number ≥ 0, a schedule (checked when it was made) or (constant v)."""
+    if isinstance(value, Schedule):
+        return value
+    if isinstance(value, Init) and value.kind == "constant":
+        _in_range(value.args["value"], what, loc, "lr", "lr")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise argument_error(f"{what} must be a number or a schedule, got {show(value)}", loc, "lr")
+    return _in_range(value, what, loc, "lr", "lr")
 
 
 def _optimizer(kind: str):
@@ -288,15 +366,20 @@ def _optimizer(kind: str):
             if key not in allowed:
                 raise SxError(f"{kind} has no option :{key.replace('_', '-')} (options: :lr :clip :groups {' '.join(':' + k.replace('_', '-') for k in _HYPER_KEYS[kind])})", loc)
         hyper = _hyper(loc, kind, {"lr": lr, **options}, kind)
+        if groups is not None and not isinstance(groups, list):
+            raise argument_error(f'{kind} :groups must be a vector of (group "glob" :lr …), got {described(groups)}', loc, "groups")
         group_list = list(groups or [])
         for g in group_list:
-            _kind(g, GroupSpec, f"{kind} :groups", '(group "glob" :lr … )', loc)
+            if not isinstance(g, GroupSpec):
+                raise argument_error(f'{kind} :groups must be a vector of (group "glob" :lr …), got {described(g)} in it', loc, "groups")
             for key in g.hyper:
                 if key not in allowed:
                     raise SxError(f"group \"{g.glob}\": {kind} has no option :{key.replace('_', '-')}", g.loc)
-        clip_value = None if clip is None else _float(clip, f"{kind} :clip", loc)
-        if clip_value is not None and not clip_value > 0:
-            raise SxError(f"{kind} :clip is the largest global gradient norm, a number > 0; got {show(clip)}", loc)
+        clip_value = None
+        if clip is not None:
+            clip_value = _float(clip, f"{kind} :clip", loc, "clip")
+            if not clip_value > 0:
+                raise argument_error(f"{kind} :clip is the largest global gradient norm, a number > 0; got {show(clip)}", loc, "clip")
         return OptimizerSpec(kind, hyper, clip_value, group_list, loc)
 
     return make
@@ -304,24 +387,29 @@ def _optimizer(kind: str):
 
 def _group(loc: Location | None, glob: Any, **options: Any) -> GroupSpec:
     if not isinstance(glob, str):
-        raise SxError(f'(group "glob" …) needs a glob string, got {show(glob)}', loc)
+        raise argument_error(f'(group "glob" …) needs a glob string, got {show(glob)}', loc, 0)
     return GroupSpec(glob, _hyper(loc, "group", options, f'group "{glob}"'), loc)
 
 
 def _schedule(kind: str, keys: tuple[str, ...], required: tuple[str, ...]):
     def make(loc: Location | None, peak: Any, **options: Any) -> Schedule:
-        values = {"peak": _float(peak, f"({kind} peak …) peak", loc)}
+        values: dict[str, float] = {"peak": _in_range(peak, f"({kind} peak …) peak", loc, 0, "peak")}
         for key in required:
             if key not in options:
                 raise SxError(f"({kind} …) needs :{key}", loc)
         for key, value in options.items():
             if key not in keys:
                 raise SxError(f"({kind} …) has no option :{key} (options: {' '.join(':' + k for k in keys)})", loc)
-            values[key] = _float(value, f"({kind} …) :{key}", loc)
             if key in ("warmup", "steps"):
-                values[key] = int(_int(value, f"({kind} …) :{key}", loc, 0))
+                values[key] = _int(value, f"({kind} …) :{key}", loc, 0 if key == "warmup" else 1, key)
+            else:
+                values[key] = _in_range(value, f"({kind} …) :{key}", loc, key, key)
         if kind != "linear-warmup":
             values.setdefault("floor", 0.0)
+        warmup = values.get("warmup", 0)
+        if "steps" in values and values["steps"] <= warmup:
+            # The cosine runs from the end of the warmup to `steps`: it needs at least one step.
+            raise SxError(f"({kind} …) needs :steps ({values['steps']}) > :warmup ({warmup})", loc)
         return Schedule(kind, values)
 
     return make
@@ -462,9 +550,10 @@ def _emit_form(kind: str):
 for _name, _form in {
     "defknobs": _defknobs, "defvariant": _defvariant, "defloader": _defloader, "defoptimizer": _defoptimizer,
     "defevaluation": _defevaluation, "defdiagnostic": _defdiagnostic, "defrun": _defrun,
-    "metric": _emit_form("metric"), "counter": _emit_form("counter"), "observe": _emit_form("observe"),
 }.items():  # fmt: skip
-    register_special_form(_name, _form)
+    register_special_form(_name, _definition(_name, _form))
+for _kind_name in ("metric", "counter", "observe"):
+    register_special_form(_kind_name, _emit_form(_kind_name))
 
 register_builtin("token-file", _token_file, loc=True, kwargs=True)
 register_builtin("text-file", _file_source("text-file"), loc=True)
@@ -479,3 +568,7 @@ register_builtin("warmup-cosine", _schedule("warmup-cosine", ("warmup", "steps",
 for _kind_name in ("grads", "params", "observed"):
     register_builtin(_kind_name, _diagnostic_source(_kind_name))
 register_builtin("every", _every)
+#: Their errors about one argument put the caret under it.
+OPERAND_LOCATED.update(
+    ("sgd", "adamw", "group", "linear-warmup", "cosine", "warmup-cosine", "synthetic-tokens", "token-file")
+)

@@ -25,7 +25,7 @@ from ..dialects.core import Operation, Region, SymbolRef, TensorType
 from ..dialects.exp import OPTIMIZER_DEFAULTS
 from ..dialects.inits import Init
 from .data import Keyword, TensorLike
-from .evaluator import invoke
+from .evaluator import in_expansions, invoke
 from .experiment_definitions import (
     DiagnosticDef,
     EvaluationDef,
@@ -53,8 +53,15 @@ class ExperimentLowering:
     def module(self, path: str) -> Operation:
         """The `builtin.module` of the experiment: exp ops, then the train and evaluation graphs.
 
-        Tracing runs .sx code: call it inside `run_deep`, as the evaluator does.
+        Tracing runs .sx code: call it inside `run_deep`, as the evaluator does. An error
+        in code a macro's expansion made names the macro and its use (`in_expansions`).
         """
+        try:
+            return self._module(path)
+        except SxError as err:
+            raise in_expansions(err) from None
+
+    def _module(self, path: str) -> Operation:
         definition = self.definition
         run = definition.run
         if run is None:

@@ -35,8 +35,18 @@ from .evaluator import (
     register_special_form,
     user_location,
 )
-from .printing import show
-from .tracer import Tensor, Trace, Traceable, describe, dtype_name, module_path, require_trace
+from .limits import MAX_PARAMS
+from .printing import short_int, show
+from .tracer import (
+    Tensor,
+    Trace,
+    Traceable,
+    active_trace,
+    describe,
+    dtype_name,
+    module_path,
+    require_trace,
+)
 
 #: Bounds that turn an absurd knob (2^31 layers, a [10^9 10^9] weight) into an error at the form instead
 #: of an evaluation that never ends: far beyond any model (16384 blocks; 2^40 elements, 4 TiB as f32).
@@ -59,7 +69,13 @@ def _constant(loc: Location | None, value: object) -> Init:
 def _located_number(x: object, what: str, loc: Location | None) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise SxError(f"{what} must be a number, got {describe(x)}", loc)
-    return float(x)
+    try:
+        number = float(x)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise SxError(f"{what} must be a finite number, got {short_int(x)}", loc)
+    return number
 
 
 class Param(Traceable):
@@ -100,6 +116,8 @@ class ModelTree:
     def add_param(self, name: str, shape: tuple[int, ...], dtype: str, init: Init, loc: Location | None) -> Param:
         if not self.path_stack:
             raise SxError(f"(param {name} …) outside a module: parameters are registered by a defmodule body", loc)
+        if len(self.params) >= MAX_PARAMS:
+            raise SxError(f"the model has more than {MAX_PARAMS} parameters (tensors); is a sub-list far longer than meant?", loc)
         path = f"{self.path_stack[-1]}.{name}"
         first = self.params.get(path)
         if first is not None:
@@ -315,7 +333,16 @@ def _defmodel(env: Env, args: list, loc: Location | None) -> Defined:
     name = symbol_arg(args, 0, env, "(defmodel name (constructor …))")
     if len(args) != 2:
         raise SxError("expected (defmodel name (constructor …))", loc)
+    trace = active_trace()
+    if trace is not None:
+        raise SxError(
+            f"defmodel cannot appear in code that runs while graph '{trace.name}' is traced (prepare, the "
+            "objective, an evaluation or a module's forward function): define the model at top level",
+            loc,
+        )
     tree = tree_of(env)
+    if tree.path_stack:
+        raise SxError(f"defmodel {name} inside the constructor of {tree.path_stack[-1]}: a submodule is (sub name (constructor …))", loc)
     if name in tree.models:
         raise SxError(f"model {name} is defined twice", loc)
     with tree.under(name):

@@ -24,16 +24,27 @@ from .data import (
     Symbol,
     element_loc,
 )
-from .evaluator import CORE_FORMS, Closure, Defined, Macro, constant_node, core_form, counted, truthy
+from .evaluator import (
+    CORE_FORMS,
+    Closure,
+    Defined,
+    Macro,
+    check_nesting,
+    constant_node,
+    core_form,
+    counted,
+    truthy,
+)
 from .printing import show
 
 if TYPE_CHECKING:
     from .evaluator import Evaluator, Scope
 
 
-def _expect(cond: bool, message: str, loc: Location | None) -> None:
+def _expect(cond: bool, message: Callable[[], str], loc: Location | None) -> None:
+    """An error at `loc` unless `cond`; `message` makes its text (printing forms costs, so only on failure)."""
     if not cond:
-        raise SxError(message, loc)
+        raise SxError(message(), loc)
 
 
 def _arity(form: SxList, low: int, high: int | None, usage: str) -> None:
@@ -45,12 +56,14 @@ def _arity(form: SxList, low: int, high: int | None, usage: str) -> None:
 @core_form(QUOTE)
 def _quote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
     _arity(form, 1, 1, "one form: (quote x)")
+    check_nesting(form[1], element_loc(form, 1))
     return constant_node(form[1])
 
 
 @core_form(QUASIQUOTE)
 def _quasiquote(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
     _arity(form, 1, 1, "one form: `x")
+    check_nesting(form[1], element_loc(form, 1))
     return _template(ev, form[1], scope, 1, element_loc(form, 1))
 
 
@@ -74,6 +87,7 @@ def _template(ev: Evaluator, form: Any, scope: Scope, depth: int, loc: Location 
             sym = form[0]
             return lambda f: SxList([sym, inner(f)])
     if cls in (SxList, SxVector, SxMap) and form:
+        origin = form.loc
         parts = []  # (splice?, node)
         for i, item in enumerate(form):
             item_loc = element_loc(form, i)
@@ -97,7 +111,7 @@ def _template(ev: Evaluator, form: Any, scope: Scope, depth: int, loc: Location 
                     items.extend(value)
                 else:
                     items.append(node(f))
-            return cls(items)
+            return cls(items, origin=origin)
 
         return build
     return constant_node(form)
@@ -141,11 +155,8 @@ def _cond(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
     clauses = []
     for i, clause in enumerate(form[1:], 1):
         where = element_loc(form, i)
-        _expect(
-            isinstance(clause, SxList) and len(clause) >= 1,
-            f"cond: each clause is (test body…), got {show(clause)}",
-            where,
-        )
+        if not (isinstance(clause, SxList) and len(clause) >= 1):
+            raise SxError(f"cond: each clause is (test body…), got {show(clause)}", where)
         test = clause[0]
         is_else = test.__class__ is Keyword and test.name == "else" or test is True
         test_node = ev.analyze(test, scope, element_loc(clause, 0))
@@ -172,17 +183,14 @@ def _bindings(form: SxList) -> list[tuple[Symbol, Any, Location | None]]:
     where = element_loc(form, 1)
     _expect(
         bindings is None or isinstance(bindings, SxList),
-        f"{form[0].name}: bindings are a list of (name value), got {show(bindings)}",
+        lambda: f"{form[0].name}: bindings are a list of (name value), got {show(bindings)}",
         where,
     )
     out = []
     for i, b in enumerate(bindings or ()):
         bloc = element_loc(bindings, i)
-        _expect(
-            isinstance(b, SxList) and len(b) == 2 and isinstance(b[0], Symbol),
-            f"{form[0].name}: each binding is (name value), got {show(b)}",
-            bloc,
-        )
+        if not (isinstance(b, SxList) and len(b) == 2 and isinstance(b[0], Symbol)):
+            raise SxError(f"{form[0].name}: each binding is (name value), got {show(b)}", bloc)
         if form[0].name == "let" and any(b[0] == seen for seen, _, _ in out):
             # let binds in parallel: a second binding of a name could only be a mistake.
             raise SxError(f"let: '{b[0].name}' is bound twice", element_loc(b, 0))
@@ -239,7 +247,7 @@ def _fn(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
 def _name_of(form: SxList, what: str) -> Symbol:
     _expect(
         len(form) > 1 and isinstance(form[1], Symbol),
-        f"'{form[0].name}' expects a name first: {what}",
+        lambda: f"'{form[0].name}' expects a name first: {what}",
         element_loc(form, 1) if len(form) > 1 else form.loc,
     )
     return form[1]
@@ -290,7 +298,7 @@ def _defmacro(ev: Evaluator, form: SxList, scope: Scope, loc: Location | None):
     g = ev.globals
 
     def node(f: list) -> Defined:
-        g[name] = macro = Macro(name, make(f))
+        g[name] = macro = Macro(name, make(f), loc)
         return Defined(name, macro)
 
     return node

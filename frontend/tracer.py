@@ -30,7 +30,9 @@ from ..dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region
 from ..dialects.graph import ShapeError, broadcast_shapes, show_shape
 from ..dialects.traits import Trait, has_trait
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
-from .evaluator import OPERAND_LOCATED, register_builtin, user_location
+from .evaluator import BUILTINS, OPERAND_LOCATED, register_builtin, user_location
+from .limits import MAX_ELEMENTS, MAX_GRAPH_OPS
+from .printing import short_int
 
 #: The language's dtype names and the graph dialect's (a bool tensor is `i1` in the IR).
 DTYPE_OF_NAME = {"f32": "f32", "bf16": "bf16", "f16": "f16", "i32": "i32", "i64": "i64", "bool": "i1"}
@@ -64,17 +66,31 @@ class Trace:
         self.metrics: dict[str, Location | None] = {}
         self.counters: dict[str, int | float | None] = {}
         self.observed: list[str] = []
+        #: Ops recorded so far (see `MAX_GRAPH_OPS`).
+        self.op_count = 0
 
     # -- building ---------------------------------------------------------------------------
 
     def emit(self, op: str, operands: Sequence[Value], loc: Location | None, **attributes: Any) -> Operation:
         """Create op `graph.<op>`, turning a shape error into a located SxError."""
+        self._count_op(loc)
         if self.path_stack:
             attributes["path"] = self.path_stack[-1]
         try:
-            return self.builder.create(f"graph.{op}", operands, attributes, loc=loc)
+            created = self.builder.create(f"graph.{op}", operands, attributes, loc=loc)
         except ShapeError as err:
             raise SxError(_plain(err.message), loc) from None
+        for result in created.results:
+            check_shape(result.type.shape, f"'{_SOURCE_NAMES.get(op, op)}'", loc)
+        return created
+
+    def _count_op(self, loc: Location | None) -> None:
+        self.op_count += 1
+        if self.op_count > MAX_GRAPH_OPS:
+            raise SxError(
+                f"graph '{self.name}' has more than {MAX_GRAPH_OPS} ops; is a loop or a sub-list far longer than meant?",
+                loc,
+            )
 
     def value(self, op: str, operands: Sequence[Value], loc: Location | None, **attributes: Any) -> Tensor:
         return Tensor(self.emit(op, operands, loc, **attributes).result, self)
@@ -84,18 +100,26 @@ class Trace:
         key = (role, name)
         found = self.inputs.get(key)
         if found is None:
+            self._count_op(loc)
             op = self.builder.create("graph.input", (), {"name": name, "role": role}, result_types=[type_], loc=loc)
             found = self.inputs[key] = Tensor(op.result, self)
         return found
 
     def constant(self, value: int | float | bool, shape: Sequence[int], dtype: str, loc: Location | None) -> Tensor:
-        """A splat constant of `shape`; ints stay ints in integer dtypes."""
+        """A splat constant of `shape`; ints stay ints in integer dtypes, and must fit them."""
+        self._count_op(loc)
         if dtype in FLOAT_DTYPES:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise SxError(f"the integer {short_int(value)} is too large for a float tensor", loc) from None
         elif dtype == "i1":
             value = bool(value)
         else:
             value = int(value)
+            low, high = _INT_RANGES[dtype]
+            if not low <= value <= high:
+                raise SxError(f"{short_int(value)} does not fit in an {NAME_OF_DTYPE.get(dtype, dtype)} tensor ({low} to {high})", loc)
         attributes: dict[str, Any] = {"value": value}
         if self.path_stack:
             attributes["path"] = self.path_stack[-1]
@@ -112,6 +136,25 @@ class Trace:
     @property
     def path(self) -> str:
         return self.path_stack[-1] if self.path_stack else ""
+
+
+#: What .sx calls the graph ops whose name differs, for messages.
+_SOURCE_NAMES = {"broadcast": "broadcast-to", "one_hot": "one-hot", "take_along": "take-along", "expand_dims": "expand-dims"}
+#: The values of the integer dtypes.
+_INT_RANGES = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
+
+
+def check_shape(shape: Sequence[int], what: str, loc: Location | None) -> None:
+    """An error unless `shape`'s dimensions are ≥ 0 and its element count is within `MAX_ELEMENTS`."""
+    if not shape or (min(shape) >= 0 and math.prod(shape) <= MAX_ELEMENTS):
+        return
+    if min(shape) < 0:
+        raise SxError(f"{what} would make a tensor of shape {show_shape(shape)}: a dimension cannot be negative", loc)
+    raise SxError(
+        f"{what} would make a tensor of shape {show_shape(shape)}: {math.prod(shape)} elements, over the limit of "
+        f"{MAX_ELEMENTS}",
+        loc,
+    )
 
 
 def _plain(message: str) -> str:
@@ -270,16 +313,18 @@ def _elementwise(
             # The operand that fails to broadcast with those before it: the caller may point at it.
             err.operand = i  # type: ignore[attr-defined]
             raise err from None
-    dtype: str | None = None
-    for t in tensors.values():
-        dtype = t.dtype if dtype is None else _common_dtype(dtype, t.dtype, what, loc)
-    assert dtype is not None
     scalars = [a for a in args if not _is_tensor(a)]
     for s in scalars:
         if not isinstance(s, (int, float)):
             raise SxError(f"'{what}' expects tensors or numbers, got {describe(s)}", loc)
-        if isinstance(s, float) and not isinstance(s, bool) and dtype in INT_DTYPES:
-            dtype = "f32"
+    if not tensors:
+        raise SxError(f"'{what}' needs a tensor operand, got only numbers", loc)
+    dtype: str | None = None
+    for t in tensors.values():
+        dtype = t.dtype if dtype is None else _common_dtype(dtype, t.dtype, what, loc)
+    assert dtype is not None
+    if dtype in INT_DTYPES and any(s.__class__ is float for s in scalars):
+        dtype = "f32"
     out: list[Tensor] = []
     for i, a in enumerate(args):
         if i in tensors:
@@ -337,6 +382,10 @@ def _variadic(op: str, what: str, unary: str | None) -> Callable[..., Any]:
             raise SxError(f"'{what}' needs at least one argument", _op_loc(loc))
         acc = args[0]
         for k, b in enumerate(args[1:], 1):
+            if not _is_tensor(acc) and not _is_tensor(b):
+                # Numbers before the first tensor, as in (* 0.5 2 x): the scalar builtin computes them.
+                acc = BUILTINS[what].call([acc, b], loc)
+                continue
             try:
                 acc = pair(loc, acc, b)
             except SxError as e:
@@ -411,10 +460,16 @@ def _reduce(op: str) -> Callable[..., Any]:
 # -- shape -------------------------------------------------------------------------------------
 
 
-def _dims(dims: object, what: str, loc: Location | None) -> list[int]:
+def _dims(dims: object, what: str, loc: Location | None, infer: bool = False) -> list[int]:
+    """A shape the user wrote: ints ≥ 0 (one may be -1 when `infer`), within `MAX_ELEMENTS`."""
     if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise SxError(f"'{what}' expects a vector of ints as a shape, got {describe(dims)}", loc)
-    return list(dims)
+    shape = list(dims)
+    inferred = [i for i, d in enumerate(shape) if d == -1] if infer else []
+    if len(inferred) > 1:
+        raise SxError(f"'{what}' shape {show_shape(shape)} has more than one -1 (one dimension can be inferred)", loc)
+    check_shape([1 if i in inferred else d for i, d in enumerate(shape)], f"'{what}'", loc)
+    return shape
 
 
 def _axis(axis: object, rank: int, what: str, loc: Location | None) -> int:
@@ -429,7 +484,7 @@ def reshape(loc: Location | None, x: object, dims: object) -> Tensor:
     loc = _op_loc(loc)
     trace = require_trace("'reshape'", loc)
     t = as_tensor(x, trace, loc, "reshape")
-    shape = _dims(dims, "reshape", loc)
+    shape = _dims(dims, "reshape", loc, infer=True)
     if shape.count(-1) == 1:
         known = math.prod(d for d in shape if d != -1)
         total = math.prod(t.shape)
@@ -454,7 +509,9 @@ def permute(loc: Location | None, x: object, axes: object) -> Tensor:
     trace = require_trace("'permute'", loc)
     t = as_tensor(x, trace, loc, "permute")
     rank = len(t.shape)
-    perm = [_axis(a, rank, "permute", loc) for a in _dims(axes, "permute", loc)]
+    if not isinstance(axes, list):
+        raise SxError(f"'permute' expects a vector of axes, got {describe(axes)}", loc)
+    perm = [_axis(a, rank, "permute", loc) for a in axes]
     return trace.value("transpose", [t.value], loc, perm=perm)
 
 

@@ -1,0 +1,279 @@
+"""Every input is handled inside the evaluator: bad arguments, values over the bounds, deep
+nesting, Ctrl-C, a small address space. Each is a located `SxError`, never a Python exception.
+
+The seeded tests call every builtin, and compile experiments with every option, with values
+drawn from a pool of the awkward (nil, nan, huge ints, tensors, functions, nested data...).
+"""
+
+import math
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+from sexpgpu.dialects.core import TensorType
+from sexpgpu.frontend import limits, tracer
+from sexpgpu.frontend.data import Keyword, SxList, SxVector, Symbol
+from sexpgpu.frontend.evaluator import Builtin, Evaluator, invoke, run_deep
+from sexpgpu.frontend.printing import show
+from sexpgpu.frontend.reader import read_text
+from sexpgpu.frontend.tracer import Trace, tracing
+from sexpgpu.tools.check_cmd import check
+from sexpgpu.tools.main import main as sexpgpu_main
+
+from sexpgpu.diagnostics import Location, SxError
+
+LOC = Location("t.sx", 1, 1)
+
+
+def run(text):
+    return [show(v) for v in Evaluator().eval_text(text, "t.sx")]
+
+
+def error_of(text):
+    with pytest.raises(SxError) as err:
+        Evaluator().eval_text(text, "t.sx")
+    return err.value
+
+
+# -- every builtin, every argument -------------------------------------------------------------
+
+
+def _value_pool(session, trace):
+    with tracing(trace):
+        tensors = [
+            trace.input("batch", "x", TensorType((2, 3), "f32")),
+            trace.input("batch", "i", TensorType((2,), "i32")),
+            trace.input("batch", "b", TensorType((2, 3), "i1")),
+        ]
+    made = session.eval_text(
+        '(list (fn (x) x) (fn (a b) a) (normal 0.1) zeros (synthetic-tokens :vocab 16 :count 10)'
+        ' (linear-warmup 0.1 :warmup 2) (group "x" :lr 0.1) (adamw :lr 0.1) (every 2) (grads "x")'
+        ' [(group "m.*" :lr 0.2)] (list 1 2) [0.9 0.99] {:a 1} {})'
+    )[0]
+    return [
+        0, 1, -1, 2, 3, 10**400, -(10**30), 2**40, 1.5, -0.0, -0.5, math.inf, math.nan, 1e308, 1e-8,
+        True, False, None, "s", "", Keyword("a"), Symbol("f32"), Symbol("x"), SxList(),
+        SxVector(), SxVector([-3]), SxVector([2, 3]), SxVector([SxVector([1])]), SxVector(tensors[:1] * 2),
+        SxList(tensors[:1]), session.globals["+"], *tensors, *made,
+    ]
+
+
+_KEYWORDS = [
+    Keyword(k)
+    for k in "vocab count lr groups warmup steps floor betas eps weight-decay momentum clip keep axis dtype seed "
+    "branch nesterov peak".split()
+]
+
+
+def _calls(rng, pool, count):
+    yield ()
+    for value in pool:
+        yield (value,)
+    for _ in range(count):
+        args = [rng.choice(pool) for _ in range(rng.choice([1, 2, 2, 3, 4, 5]))]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            args += [rng.choice(_KEYWORDS), rng.choice(pool)]
+        yield tuple(args)
+
+
+def test_every_builtin_takes_any_arguments_with_a_located_error_at_worst():
+    def body():
+        session = Evaluator()
+        trace = Trace("t", "train")
+        pool = _value_pool(session, trace)
+        rng = random.Random(13)
+        failures = {}
+        for name, fn in sorted(session.globals.items()):
+            if not isinstance(fn, Builtin):
+                continue
+            for args in _calls(rng, pool, 60):
+                for traced in (False, True):
+                    try:
+                        if traced:
+                            with tracing(trace):
+                                invoke(fn, list(args), LOC)
+                        else:
+                            invoke(fn, list(args), LOC)
+                    except SxError as err:
+                        assert err.loc is not None, (name, err.message)
+                    except Exception as e:  # noqa: BLE001  (what the test looks for)
+                        failures.setdefault((name, type(e).__name__), [show(a)[:40] for a in args])
+        return failures
+
+    assert run_deep(body) == {}
+
+
+_TEMPLATE = """(defknobs (lr 0.01) (seq 4))
+(defloader data :source (synthetic-tokens :vocab 16 :count 256 :seed 1) :fields ((tokens [(+ seq 1)] i32)) :batch {batch})
+(defmodule net () (let ((w (param w [3] :init {init}))) (fn (x) (* x (sum w)))))
+(defmodel model (net))
+(defn objective (batch) (mean (model (cast (get batch :tokens) f32))))
+(defoptimizer opt ({optimizer} :lr {lr} {option} {value}))
+(defrun :steps {steps} :loader data :objective objective :optimizer opt)
+"""
+
+_VALUES = [
+    "0", "1", "-1", "0.5", "1.0", "-0.0", "2", "(pow 10 400)", "(- inf inf)", "inf", "nil", "true", '"s"', ":k",
+    "[0.9 0.99]", "[0.9]", "[1.5 0.9]", "[nan 0.9]", "(fn (x) x)", "{:a 1}", "lr", "(linear-warmup lr :warmup 5)",
+    "(cosine lr :steps 10 :floor 0.1)", "(warmup-cosine lr :warmup 20 :steps 3)", "(cosine lr :steps 0)",
+    '[(group "model.*" :lr 0.1)]', '[(group "model.*" :lr -1)]', '(group "model.*")', "(constant 0.1)",
+    "(constant nan)", "(normal 0.02)", "zeros", "(uniform 1 nan)", "1e-8", "(* 2 lr)", "9223372036854775808",
+]
+_OPTIONS = [":betas", ":eps", ":weight-decay", ":momentum", ":nesterov", ":clip", ":groups", ":lr", ":peak", ":steps"]
+
+
+def _experiment(rng):
+    """The template with one or two of its slots given an awkward value; valid otherwise."""
+    slots = {"optimizer": "adamw", "lr": "lr", "option": ":eps", "value": "1e-8", "init": "ones", "batch": "2",
+             "steps": "2"}
+    for slot in rng.sample(sorted(slots), rng.choice([1, 1, 2])):
+        if slot == "optimizer":
+            slots[slot] = "sgd"
+        elif slot == "option":
+            slots[slot] = rng.choice(_OPTIONS)
+        else:
+            slots[slot] = rng.choice(_VALUES)
+    return _TEMPLATE.format(**slots)
+
+
+def test_experiment_options_take_any_value_with_a_located_error_at_worst(tmp_path, capsys):
+    """What `check` accepts, `explain` and `diff` report on too."""
+    rng = random.Random(7)
+    path = tmp_path / "fuzz.sx"
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(200):
+        text = _experiment(rng)
+        path.write_text(text)
+        try:
+            check(str(path), None, [])
+        except SxError as err:
+            assert err.loc is not None, (text, err.message)
+            outcomes["error"] += 1
+            continue
+        outcomes["ok"] += 1
+        assert sexpgpu_main(["explain", str(path)]) == 0, (text, capsys.readouterr().err)
+        assert sexpgpu_main(["diff", str(path), str(path), "--set", "lr=0.5"]) == 0, (text, capsys.readouterr().err)
+    assert outcomes["ok"] > 20 and outcomes["error"] > 20, outcomes
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("(get {:a 1} [1 2])", "'get': a map key must be"),
+        ("{(list 1) 2}", "a map key must be a keyword, string, symbol, number or nil, got (1) (a list)"),
+        ("(assoc {:a 1} {:b 2} 3)", "'assoc': a map key must be"),
+        ("(contains? {:a 1} [1])", "'contains?': a map key must be"),
+        ("{false 0}", "got false (a boolean)"),
+    ],
+)
+def test_map_keys_are_atoms(code, message):
+    assert message in error_of(code).message
+
+
+def test_map_keys_compare_as_equal_does():
+    assert run('(get {1 :one "a" :a nil :nil} 1.0) (get {1 :one nil :nil} nil) (get {\'s 2} \'s)') == [
+        ":one", ":nil", "2",
+    ]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "(def big (* 9 (pow 10 4299))) (* big big)",
+        "(def big (* 9 (pow 10 4299))) (+ big big)",
+        "(def big (* 9 (pow 10 4299))) (- (- big) big)",
+        "(def big (* 9 (pow 10 4299))) (* 1 2 big big)",
+        "(pow 2 20000)",
+        "(pow -7 100000000000)",
+        "(apply * (range 1 3000))",
+    ],
+)
+def test_integers_are_bounded(code):
+    assert "(integers have at most 4300)" in error_of(code).message
+
+
+def test_integers_up_to_the_bound_are_exact():
+    assert run("(len (str (* 9 (pow 10 4299))))")[-1] == "4300"
+    assert run("(- (* 9 (pow 10 4299)) (* 9 (pow 10 4299)))")[-1] == "0"
+
+
+# -- depth ---------------------------------------------------------------------------------------
+
+
+def test_data_nested_any_depth_prints_and_compares_with_a_located_error():
+    values = Evaluator().eval_text("(fold (fn (acc x) (list acc)) nil (range 200000))", "t.sx")
+    text = show(values[0])
+    assert text.startswith("((((") and len(text) == 2 * 200000 + 3
+    err = error_of("(def deep (fold (fn (acc x) (list acc)) nil (range 200000)))\n(= deep deep)")
+    assert err.message == "'=': the data nests too deeply" and str(err.loc) == "t.sx:2:1"
+
+
+def test_a_graph_has_at_most_max_graph_ops(monkeypatch, tmp_path):
+    monkeypatch.setattr(tracer, "MAX_GRAPH_OPS", 40)
+    path = tmp_path / "ops.sx"
+    path.write_text(_TEMPLATE.format(optimizer="sgd", lr="0.1", option="", value="", init="ones", batch=2, steps=2)
+                    .replace("(* x (sum w))", "(fold (fn (h i) (+ h 1.0)) (* x (sum w)) (range 100))"))
+    with pytest.raises(SxError) as err:
+        check(str(path), None, [])
+    assert err.value.message.startswith("graph 'train' has more than 40 ops")
+    assert err.value.loc.line == 3
+
+
+def test_reading_a_one_megabyte_string_takes_megabytes():
+    text = '(def s "' + "x" * 1_000_000 + '")'
+    tracemalloc.start()
+    try:
+        read_text(text, "big.sx")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak / 1e6:.0f} MB"
+
+
+# -- the evaluation thread -----------------------------------------------------------------------
+
+
+_ENDLESS = "(defn f (n) (if (> n 0) (do (f (- n 1)) (f (- n 1))) 0))\n(f 100)\n"
+
+
+def _sexpgpu(*args):
+    return [sys.executable, "-m", "sexpgpu.tools.main", *args]
+
+
+def test_ctrl_c_interrupts_a_long_evaluation(tmp_path):
+    path = tmp_path / "endless.sx"
+    path.write_text(_ENDLESS)
+    proc = subprocess.Popen(_sexpgpu("eval", str(path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Interrupt once the evaluation has started (it prints the definition first).
+        assert proc.stdout.readline().startswith("f = #<function f>")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)  # a hang fails here, not a slow machine
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
+def test_the_evaluator_runs_under_a_virtual_memory_limit(tmp_path):
+    path = tmp_path / "small.sx"
+    path.write_text("(defn down (n) (if (= n 0) 0 (+ 1 (down (- n 1)))))\n(down 500)\n")
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (900 << 20, 900 << 20))  # under the 1 GiB stack it asks for first
+
+    done = subprocess.run(_sexpgpu("eval", str(path)), capture_output=True, text=True, preexec_fn=limited,
+                          timeout=120, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "500"
+
+
+def test_the_bounds_are_documented():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "language.md"), encoding="utf-8").read()
+    for bound in (limits.MAX_INT_DIGITS, limits.MAX_ITEMS, limits.MAX_NESTING, limits.MAX_PARAMS):
+        assert f"{bound:,}" in text, bound
