@@ -26,6 +26,7 @@ from lark.exceptions import LarkError, VisitError
 
 from ..diagnostics import Location, SxError, remember_source
 from .data import QUASIQUOTE, QUOTE, UNQUOTE, UNQUOTE_SPLICING, Keyword, SxList, SxMap, SxVector, Symbol
+from .limits import MAX_INT_DIGITS
 
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")
 
@@ -183,11 +184,6 @@ def parse_string_literal(token: str, file: str, line: int, col: int) -> str:
         return value
 
     return _ESCAPE_RE.sub(unescape, body)
-
-
-#: The most digits an integer literal may have: Python's own limit on converting text to an int
-#: (`sys.get_int_max_str_digits()`), which bounds the conversion's quadratic time.
-MAX_INT_DIGITS = 4300
 
 
 def parse_number(token: str, loc: Location | None = None) -> int | float:
