@@ -1280,9 +1280,16 @@ def run_deep(body: Callable[[], Any]) -> Any:
     old_limit = sys.getrecursionlimit()
     try:
         thread = _start_deep_thread(target, old_limit)
+    except BaseException:
+        sys.setrecursionlimit(old_limit)
+        raise
+    try:
         _join(thread)
     finally:
-        sys.setrecursionlimit(old_limit)
+        # The limit is the process's: lowering it under a thread still deep in its recursion (one a
+        # Ctrl-C could not stop in time) turns its next call into a fatal stack-overflow abort.
+        if not thread.is_alive():
+            sys.setrecursionlimit(old_limit)
     if error:
         raise error[0]
     return result[0]

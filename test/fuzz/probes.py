@@ -178,7 +178,7 @@ def probes() -> list[Probe]:
         Probe("string-1mb", "2: a 1 MB string literal takes megabytes",
               {"p.sx": b'(def s "' + b"x" * (1 << 20) + b'")\n(len s)\n'}, ["eval", "p.sx"], timeout=60),
         Probe("ctrl-c-evaluation", "2: Ctrl-C interrupts any long evaluation",
-              {"p.sx": b"(defn f (n) (if (= n 0) 0 (+ 1 (f (- n 1)))))\n(def loop (reduce + 0 (map f (range 100000000))))\n"},
+              {"p.sx": b"(defn f (n) (if (= n 0) 0 (+ 1 (f (- n 1)))))\n(def loop (reduce + 0 (map (fn (i) (reduce + 0 (map f (range 1000)))) (range 1000000))))\n"},
               ["eval", "p.sx"], expected=("exit 130",), interrupt_after=3.0, timeout=6),
         # -- item 4: file access confined --------------------------------------------------------------
         Probe("require-passwd", "4: require loads .sx source only and never echoes another file",
