@@ -10,7 +10,11 @@ Each `kern.kernel` gets `function` (the `extern "C"` name in the source) and
 launch's k-th operand), `"out<k>"` (its k-th result; a template's scratch
 buffers are its last results, which nothing reads) or an int (a size passed
 by value) — and `alignment`, the bytes every pointer argument must be
-aligned to. The source is recorded in the module as `kern.source {text}`; the
+aligned to. A pattern kernel (`row`, `cross_entropy`) is a program of one or
+more launches (a column-summing backward adds `column_sum` launches through
+scratch buffers): it gets `functions`, the names its program launches, and
+`alignment`; `pattern_kernels.kernel_program` gives the launches and their
+bindings. The source is recorded in the module as `kern.source {text}`; the
 executor and `explain --device cuda` compile it with NVRTC
 (`backends/cuda/nvrtc.compile_cubin`). When `emit-cuda` ends a `sexpgpu-opt`
 pipeline, the tool prints the source instead of the IR (as mlir-translate
@@ -30,9 +34,13 @@ from ..manager import CompilationUnit, Pass, register_pass
 from .fused import FUSED_HELPERS, FusedKernel
 from .kernel_source import KernelSource
 from .launches import template_program, template_sizes
+from .pattern_kernels import kernel_program
 from .prelude import PRELUDE, translation_unit
 
-#: Writers of the kinds other modules own (row programs, the cross-entropy tail), by kind.
+#: Kinds `match-patterns` makes: a program of one or more launches (`pattern_kernels.kernel_program`), whose
+#: scratch buffers the launcher allocates.
+PATTERN_KINDS = ("row", "cross_entropy")
+#: Writers of the kinds other modules own, by kind.
 KERNEL_WRITERS: dict[str, Callable[[Operation], KernelSource]] = {}
 
 
@@ -83,6 +91,11 @@ def emit_module(module: Operation) -> str:
     for op in list(module.body.ops):
         if op.name == "kern.source":
             op.erase()
+        elif op.name == "kern.kernel" and op.attributes["kind"] in PATTERN_KINDS:
+            program = kernel_program(op)
+            op.attributes.update(functions=[k.name for k in program.kernels],
+                                 alignment=max(k.alignment for k in program.kernels))
+            sources.extend(program.kernels)
         elif op.name == "kern.kernel":
             source = kernel_source(op)
             op.attributes.update(function=source.name, arguments=bind_arguments(op, source),
@@ -103,8 +116,9 @@ def emit_module(module: Operation) -> str:
 class EmitCuda(Pass):
     """Writes the CUDA C of every `kern.kernel` of the module into one translation unit.
 
-    Guarantees: every kernel has `function`, `arguments` and `alignment`; the
-    module holds one `kern.source` whose text defines each `function` once,
+    Guarantees: every kernel has `function`, `arguments` and `alignment` (a
+    pattern kernel `functions` and `alignment`); the module holds one
+    `kern.source` whose text defines each function once,
     after the prelude; nothing else changes. A kernel kind without a writer
     is an error at the kernel.
     """
