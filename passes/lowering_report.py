@@ -17,9 +17,10 @@ in as `DeviceFacts`, each field None where nothing was measured.
 Rows: one per graph, in the explain report's order (train, train
 accumulating, train stacked, train diagnosed, each evaluation by name, clip
 graphs, one row per optimizer group summing its update graphs). A row's
-`kernels` are the launches one call makes on the device: every GEMM, every
-kernel launch, and the further launches of a pattern program (a norm
-backward's column sums), so they are what a profiler counts.
+`kernels` are the launches one call makes on the device: every `kern.launch`
+(a pattern program's steps, a norm backward's column sums included, are
+launches of their own) and every `kern.gemm`, so they are what a profiler
+counts.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from ..dialects.core import Operation
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
 from ..report import GRAPH_ORDER, graph_title
-from .emit_cuda.emit import PATTERN_KINDS
-from .emit_cuda.pattern_kernels import kernel_program
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
@@ -142,7 +141,7 @@ def _rows(module: Operation, lowering: Mapping[str, Any], kernels: Mapping[str, 
             "symbols": symbols,
             "graphs": merged["graphs"] if merged else len(members),
             "nodes": merged["nodes"] if merged else sum(graph_facts[s]["nodes"] for s in symbols),
-            "kernels": sum(_device_launches(f, kernels) for f in members),
+            "kernels": sum(_device_launches(f) for f in members),
             "gemms": sum(graph_facts[s]["gemms"] for s in symbols),
             "fused_groups": sizes,
             "arena_bytes": max((lowering.get("arenas", {}).get(s, 0) for s in symbols), default=0),
@@ -156,18 +155,8 @@ def _rows(module: Operation, lowering: Mapping[str, Any], kernels: Mapping[str, 
     return rows
 
 
-def _program_launches(kernel: Operation) -> int:
-    return len(kernel_program(kernel).steps) if kernel.attributes["kind"] in PATTERN_KINDS else 1
-
-
-def _device_launches(func: Operation, kernels: Mapping[str, Operation]) -> int:
-    count = 0
-    for op in func.body.ops:
-        if op.name == "kern.gemm":
-            count += 1
-        elif op.name == "kern.launch":
-            count += _program_launches(kernels[op.attributes["kernel"].name])
-    return count
+def _device_launches(func: Operation) -> int:
+    return sum(op.name in ("kern.launch", "kern.gemm") for op in func.body.ops)
 
 
 def family_display(family: str) -> str:
@@ -240,34 +229,12 @@ def launch_list(func: Operation, kernels: Mapping[str, Operation]) -> list[dict[
                                  "epilogue": op.attributes["epilogue"]},
                         "shape": list(result.shape), "dtype": result.dtype, "path": path})
         elif op.name == "kern.launch":
-            kernel = kernels[op.attributes["kernel"].name]
+            attrs = kernels[op.attributes["kernel"].name].attributes
             result = op.results[0].type
-            for function, grid, block, shared in kernel_steps(kernel):
-                out.append({"kernel": function, "symbol": kernel.attributes["sym_name"], "grid": grid,
-                            "block": block, "shared": shared, "gemm": None, "shape": list(result.shape),
-                            "dtype": result.dtype, "path": path})
+            out.append({"kernel": attrs["function"], "symbol": attrs["sym_name"], "grid": list(attrs["grid"]),
+                        "block": list(attrs["block"]), "shared": attrs["shared"], "gemm": None,
+                        "shape": list(result.shape), "dtype": result.dtype, "path": path})
     return out
-
-
-def kernel_steps(kernel: Operation) -> list[tuple[str, list[int], list[int], int]]:
-    """(function, grid, block, shared bytes) of each launch a kernel makes."""
-    attrs = kernel.attributes
-    if attrs["kind"] not in PATTERN_KINDS:
-        return [(attrs.get("function", attrs["sym_name"]), list(attrs["grid"]), list(attrs["block"]), attrs["shared"])]
-    program = kernel_program(kernel)
-    sizes = program.all_sizes({"rows": attrs["rows"]})
-    steps = []
-    for step in program.steps:
-        shape = step.kernel.launch(sizes)
-        steps.append((step.kernel.name, list(shape.grid), list(shape.block), shape.shared_bytes))
-    return steps
-
-
-def kernel_functions(kernel: Operation) -> list[str]:
-    """The CUDA functions a `kern.kernel` launches (after `emit-cuda`)."""
-    if kernel.attributes["kind"] in PATTERN_KINDS:
-        return list(kernel.attributes.get("functions") or [k.name for k in kernel_program(kernel).kernels])
-    return [kernel.attributes.get("function", kernel.attributes["sym_name"])]
 
 
 # -- run-wide lines -----------------------------------------------------------------------------

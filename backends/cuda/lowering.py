@@ -36,8 +36,6 @@ from ...dialects.printer import print_module
 from ...passes.lowering_report import (
     DeviceFacts,
     apply_device,
-    kernel_functions,
-    kernel_steps,
     lowering_document,
     stacking_degrees,
     without_launches,
@@ -110,7 +108,7 @@ def _rejected_kernel(module: Operation, source: str, log: str) -> tuple[str, str
     if function is None:
         return None
     for op in module.body.ops:
-        if op.name == "kern.kernel" and function in kernel_functions(op):
+        if op.name == "kern.kernel" and op.attributes["function"] == function:
             return function, op.attributes["sym_name"], op.attributes.get("path", "")
     return None
 
@@ -118,7 +116,7 @@ def _rejected_kernel(module: Operation, source: str, log: str) -> tuple[str, str
 def compile_facts(module: Operation, cubin: Cubin, arch: str) -> dict[str, Any]:
     """The report's `compiled` figures for `module`'s kernels in `cubin` (see the module docstring)."""
     kernels = [op for op in module.body.ops if op.name == "kern.kernel"]
-    symbol_of = {f: op.attributes["sym_name"] for op in kernels for f in kernel_functions(op)}
+    symbol_of = {op.attributes["function"]: op.attributes["sym_name"] for op in kernels}
     most = max(cubin.kernels.values(), key=lambda k: (k.registers, k.name))
     spilling = sorted({symbol_of.get(k.name, k.name) for k in cubin.spilling()})
     version = nvrtc_toolchain().version
@@ -138,21 +136,21 @@ def device_limits(kernels: list[Operation], cubin: Cubin, arch: str) -> list[str
     limits = []
     shared_limit = SHARED_PER_BLOCK.get(arch)
     for kernel in kernels:
-        symbol = kernel.attributes["sym_name"]
-        for function, _, block, dynamic in kernel_steps(kernel):
-            resources = cubin.kernels.get(function)
-            if resources is None:
-                continue
-            threads = math.prod(block)
-            per_thread = -(-resources.registers // REGISTER_UNIT) * REGISTER_UNIT
-            warps = -(-threads // 32)
-            if per_thread * warps * 32 > REGISTERS_PER_SM:
-                limits.append(f"{symbol} ({function}): {resources.registers} registers for each of {threads} "
-                              f"threads a block, more than an SM's {REGISTERS_PER_SM}: it cannot launch on {arch}")
-            shared = resources.shared + dynamic
-            if shared_limit is not None and shared > shared_limit:
-                limits.append(f"{symbol} ({function}): {shared} bytes of shared memory a block, more than "
-                              f"{arch}'s {shared_limit}: it cannot launch")
+        attrs = kernel.attributes
+        symbol, function = attrs["sym_name"], attrs["function"]
+        resources = cubin.kernels.get(function)
+        if resources is None:
+            continue
+        threads = math.prod(attrs["block"])
+        per_thread = -(-resources.registers // REGISTER_UNIT) * REGISTER_UNIT
+        warps = -(-threads // 32)
+        if per_thread * warps * 32 > REGISTERS_PER_SM:
+            limits.append(f"{symbol} ({function}): {resources.registers} registers for each of {threads} "
+                          f"threads a block, more than an SM's {REGISTERS_PER_SM}: it cannot launch on {arch}")
+        shared = resources.shared + attrs["shared"]
+        if shared_limit is not None and shared > shared_limit:
+            limits.append(f"{symbol} ({function}): {shared} bytes of shared memory a block, more than "
+                          f"{arch}'s {shared_limit}: it cannot launch")
     return list(dict.fromkeys(limits))
 
 
