@@ -12,7 +12,8 @@ What only the compiler can tell (the registers and spills of every kernel)
 comes in as `compiled`, plain data the caller gathers from NVRTC
 (`backends/cuda/lowering.py`); what only an opened device can tell (its name,
 its memory, the stacking degree a run chose, which graphs it captured) comes
-in as `DeviceFacts`, each field None where nothing was measured.
+in as `sexpgpu.report.DeviceFacts`, each field None where nothing was
+measured.
 
 Rows: one per graph, in the explain report's order (train, train
 accumulating, train stacked, train diagnosed, each evaluation by name, clip
@@ -28,34 +29,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from attrs import frozen
-
 from ..dialects.core import Operation
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
-from ..report import GRAPH_ORDER, graph_title
+from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
 #: Executors the report is written for (the first word of its first line).
 EXECUTORS = ("cuda", "cuda-sim")
-
-
-@frozen
-class DeviceFacts:
-    """What an opened device tells the report; None for what was not measured (no device, or not yet)."""
-
-    #: The device's name as its driver gives it (`NVIDIA H200`).
-    name: str | None = None
-    #: Bytes of device memory in all, and free when the device opened.
-    total_memory: int | None = None
-    free_memory: int | None = None
-    #: The stacking degree the run chose (`train stacked` runs that many microbatches a call).
-    stacking: int | None = None
-    #: The graphs (symbol names) the run submits as captured segments; None when capture was not decided.
-    captured: frozenset[str] | None = None
-    #: Why capture is off on this device, when it is (PyCUDA has no stream capture).
-    capture_off: str | None = None
 
 
 def lowering_document(
@@ -96,19 +78,6 @@ def lowering_document(
         "compiled": dict(compiled) if compiled is not None else None,
     }
     return apply_device(document, device) if device is not None else document
-
-
-def apply_device(document: dict[str, Any], device: DeviceFacts) -> dict[str, Any]:
-    """`document` (in place, and returned) with what an opened device told: its name, memory, the stacking
-    degree chosen and the rows it captures. A document is built without these first, so a report of the same
-    lowering (the lowering cache's) takes a device's figures later."""
-    document["name"] = device.name
-    document["memory"].update(total_bytes=device.total_memory, free_bytes=device.free_memory)
-    document["stacking"]["chosen"] = device.stacking
-    document["capture"] = {"measured": device.captured is not None, "off": device.capture_off}
-    for row in document["rows"]:
-        row["captured"] = None if device.captured is None else any(s in device.captured for s in row["symbols"])
-    return document
 
 
 def without_launches(document: dict[str, Any]) -> dict[str, Any]:

@@ -9,10 +9,13 @@ the text and `--json` cannot disagree. `diff` compares two such documents.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from attrs import frozen
 
 from .diagnostics import display_path
 from .dialects.core import Operation, TensorType
@@ -647,15 +650,52 @@ def render_text(doc: dict[str, Any]) -> str:
 # -- the lowering report ----------------------------------------------------------------------
 
 
-def render_lowering(doc: dict[str, Any]) -> str:
-    """The lowering report, rendered from the lowering document alone (`passes/lowering_report.py`): the
-    text `explain --device cuda` prints for the device hole and a CUDA run prints before its first step."""
+@frozen
+class DeviceFacts:
+    """What an opened device tells the report; None for what was not measured (no device, or not yet)."""
+
+    #: The device's name as its driver gives it (`NVIDIA H200`).
+    name: str | None = None
+    #: Bytes of device memory in all, and free when the device opened.
+    total_memory: int | None = None
+    free_memory: int | None = None
+    #: The stacking degree the run chose (`train stacked` runs that many microbatches a call).
+    stacking: int | None = None
+    #: The graphs (symbol names) the run submits as captured segments; None when capture was not decided.
+    captured: frozenset[str] | None = None
+    #: Why capture is off on this device, when it is (PyCUDA has no stream capture).
+    capture_off: str | None = None
+
+
+def apply_device(document: dict[str, Any], device: DeviceFacts) -> dict[str, Any]:
+    """`document` (in place, and returned) with what an opened device told: its name, memory, the stacking
+    degree chosen and the rows it captures. A document is built without these first, so a report of the same
+    lowering (the lowering cache's) takes a device's figures later."""
+    document["name"] = device.name
+    document["memory"].update(total_bytes=device.total_memory, free_bytes=device.free_memory)
+    document["stacking"]["chosen"] = device.stacking
+    document["capture"] = {"measured": device.captured is not None, "off": device.capture_off}
+    for row in document["rows"]:
+        row["captured"] = None if device.captured is None else any(s in device.captured for s in row["symbols"])
+    return document
+
+
+def render_lowering(document: dict[str, Any], device: DeviceFacts | None = None) -> str:
+    """The lowering report's text (the seed page's "The lowering report"), from the lowering document alone.
+
+    `document` is what `passes.lowering_report.lowering_document` returns (the `device` object of the
+    explain document); `device` what an opened device told, applied to a copy (the document is not
+    changed), None to print what the document holds (`explain --device cuda --target` measures nothing).
+    `explain --device cuda` prints this in place of the device hole; the CUDA executor prints it before a
+    run's first step and sends it as the `lowering` event.
+    """
+    doc = apply_device(copy.deepcopy(document), device) if device is not None else document
     rows = doc["rows"]
     name_width = max([LOWERING_NAME_WIDTH, *(len(r["name"]) for r in rows)])
     label_width = max([FAMILY_LABEL_WIDTH, *(len(g["group"]) for r in rows for g in r["families"])])
     under = " " * (4 + label_width + 1)
     arch = doc["arch"]
-    lines = [f"lowering: {doc['executor']} compute_{arch.removeprefix('sm_')} {doc['name'] or 'device not measured'}, "
+    lines = [f"lowering: {doc['executor']} compute_{arch.removeprefix('sm_')} {doc['name'] or '(device not measured)'}, "
              f"patterns {'on' if doc['patterns'] else 'off'}"]
     train_lines: list[str] | None = None
     for row in rows:
