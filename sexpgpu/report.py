@@ -706,7 +706,7 @@ def render_lowering(document: dict[str, Any], device: DeviceFacts | None = None)
         if row["kind"] == "train":
             train_lines = family_lines
         if family_lines and row["kind"] != "train" and row["kind"].startswith("train") and family_lines == train_lines:
-            lines.append(f"    {'patterns':<{label_width}} as train")
+            lines.append(f"    {'patterns':<{label_width}} same as train")
         else:
             lines += family_lines
         if "launches" in row:
@@ -771,7 +771,8 @@ def _dim3(dims: list[int]) -> str:
 
 
 def _launch_cells(index: int, launch: dict[str, Any]) -> list[str]:
-    """One launch of `SEXPGPU_EXPLAIN=kernels`: order, kernel, grid and block (a GEMM's sizes), shape, dtype, path."""
+    """One launch of `SEXPGPU_EXPLAIN=kernels`: order, kernel symbol (`gemm` for cuBLASLt), grid and block (a
+    GEMM's transposes, m×n×k, batch and epilogue), the shape and dtype it writes, model path."""
     gemm = launch["gemm"]
     if gemm is not None:
         letters = ("t" if gemm["transpose_a"] else "n") + ("t" if gemm["transpose_b"] else "n")
@@ -781,7 +782,8 @@ def _launch_cells(index: int, launch: dict[str, Any]) -> list[str]:
     else:
         where = f"grid {_dim3(launch['grid'])} block {_dim3(launch['block'])}"
         where += f" shared {launch['shared']}" if launch["shared"] else ""
-    return [str(index), launch["kernel"], where, show_shape(launch["shape"]), launch["dtype"], launch["path"] or "-"]
+    return [str(index), launch["symbol"] or launch["kernel"], where, show_shape(launch["shape"]), launch["dtype"],
+            launch["path"] or "-"]
 
 
 def _either(options: list[int]) -> str:
@@ -798,9 +800,9 @@ def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """The run-wide lines: memory, stacking, capture, the compiled kernels, then what they cannot do here."""
     lines = []
     memory = doc["memory"]
-    planned = f"{mib(memory['persistent_bytes'])} persistent (parameters, gradients, optimizer states)"
+    planned = f"{_bytes(memory['persistent_bytes'])} persistent (parameters, gradients, optimizer states)"
     if memory["largest_arena"] is not None:
-        planned += f", arenas up to {mib(memory['largest_arena']['bytes'])} ({memory['largest_arena']['row']})"
+        planned += f", arenas up to {_bytes(memory['largest_arena']['bytes'])} ({memory['largest_arena']['row']})"
     if memory["total_bytes"] is None:
         lines.append(("memory", f"not measured; planned {planned}"))
     else:
