@@ -738,8 +738,7 @@ def _lowering_row(row: dict[str, Any]) -> str:
 
 def _family_kernels(group: dict[str, Any]) -> str:
     """`layernorm 24, softmax backward 12`: each family that fired, with how often when more than once."""
-    shown = [k["name"] if k["fired"] == 1 else f"{k['name']} {k['fired']}" for k in group["kernels"]]
-    return ", ".join(shown) or "none"
+    return ", ".join(k["name"] if k["fired"] == 1 else f"{k['name']} {k['fired']}" for k in group["kernels"])
 
 
 def _folded_paths(paths: list[str | None]) -> list[str]:
@@ -754,15 +753,18 @@ def _family_lines(group: dict[str, Any], label_width: int, kernels_width: int, u
     paths = _folded_paths(group["paths"]) if group["paths"] else []
     if len(paths) > PATHS_SHOWN:
         paths = [*paths[:PATHS_SHOWN], f"{len(paths) - PATHS_SHOWN} more"]
-    line = f"    {group['group']:<{label_width}} {_family_kernels(group):<{kernels_width}} {', '.join(paths)}"
-    lines = [line.rstrip()]
-    named = len({k["base"] for k in group["kernels"]} | {a["family"] for a in group["as"]}) > 1
-    lines += [f"{under}as {a['family'] + ': ' if named else ''}{a['form']}" for a in group["as"]]
     reasons: dict[tuple[str, str], list[str | None]] = {}
     for fell in group["fell_back"]:
         reasons.setdefault((fell["family"], fell["reason"]), []).append(fell["path"])
-    lines += [f"{under}fell back {family} at {', '.join(_folded_paths(where))}: {reason}"
-              for (family, reason), where in reasons.items()]
+    fell_lines = [f"fell back {family} at {', '.join(_folded_paths(where))}: {reason}"
+                  for (family, reason), where in reasons.items()]
+    label = f"    {group['group']:<{label_width}} "
+    if not group["kernels"]:  # nothing fired: the group's first line says why
+        return [label + fell_lines[0], *(under + line for line in fell_lines[1:])] if fell_lines else []
+    lines = [f"{label}{_family_kernels(group):<{kernels_width}} {', '.join(paths)}".rstrip()]
+    named = len({k["base"] for k in group["kernels"]} | {a["family"] for a in group["as"]}) > 1
+    lines += [f"{under}as {a['family'] + ': ' if named else ''}{a['form']}" for a in group["as"]]
+    lines += [under + line for line in fell_lines]
     return lines
 
 
@@ -793,7 +795,10 @@ def _either(options: list[int]) -> str:
 
 
 def _bytes(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else mib(nbytes)
+    """Memory as the lowering report reads it: GiB from 1 GiB, KiB below 0.1 MiB, else MiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 // 10 else mib(nbytes)
 
 
 def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:

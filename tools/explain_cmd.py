@@ -18,7 +18,7 @@ import sys
 from typing import TextIO
 
 from ..devices import require_available
-from ..diagnostics import SxError, UsageError
+from ..diagnostics import UsageError
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
 from ..report import build_document, render_text
@@ -57,14 +57,10 @@ def run(args: argparse.Namespace) -> int:
     launches = listed_launches()
     from ..backends.cuda.lowering import check_target, lowering_report, query_device, stack_for_report
     from ..backends.cuda.nvrtc import nvrtc_toolchain
-    from ..backends.cuda.selection import runtime_unavailable
 
     nvrtc_toolchain()  # without the cuda extra: one line naming the install command, before any work
     if args.target is None:
-        missing = runtime_unavailable("cuda")
-        if missing is not None:
-            raise SxError(f"explain --device cuda opens a GPU to learn its architecture and this machine has none "
-                          f"({missing}); pass --target sm_80 or --target sm_90 to lower and compile without one")
+        require_available("cuda", "explain")
         arch, device = query_device("cuda")
     else:
         arch, device = check_target(args.target), None
