@@ -42,6 +42,7 @@ from ...passes.lowering_report import (
 )
 from ...passes.manager import CompilationUnit, run_pipeline
 from ...passes.pipelines import CUDA_LOWERING
+from ...version import __version__
 from .errors import KernelCompileError
 from .nvrtc import DEFAULT_OPTIONS, Cubin, cache_root, compile_cubin, nvrtc_toolchain, supported_archs
 from .sim.source import find_kernels
@@ -184,7 +185,7 @@ def _report_key(module: Operation, arch: str, stack: int | None, executor: str, 
     """What a lowering document depends on: the module, the target, the stacking, the code that lowers and
     reports it, and the compiler (its registers and spills)."""
     digest = hashlib.sha256()
-    header = {"format": _CACHE_FORMAT, "arch": arch, "stack": stack, "executor": executor, "compiler": compiler,
+    header = {"format": _CACHE_FORMAT, "version": __version__, "arch": arch, "stack": stack, "executor": executor, "compiler": compiler,
               "options": list(DEFAULT_OPTIONS), "code": code_identity()}
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update(print_module(module).encode())
