@@ -24,3 +24,8 @@ config.substitutions.append(("%python", sys.executable))
 # `REQUIRES: matplotlib` / `UNSUPPORTED: matplotlib` for the plot verb's tests.
 if importlib.util.find_spec("matplotlib") is not None:
     config.available_features.add("matplotlib")
+
+# One kernel and lowering cache for the whole suite (`explain --device cuda --target` tests): a file the
+# suite lowered once is read back by every later RUN line that lowers it the same way.
+config.environment["SEXPGPU_CACHE"] = os.environ.get("SEXPGPU_LIT_CACHE") or os.path.join(
+    config.test_exec_root, "sexpgpu-cache")
