@@ -208,7 +208,7 @@ class VerifyError(SxError):
     def attach(self, op: Operation) -> None:
         """Locate this error at `op` (shape errors raised by `infer` know no op)."""
         self.op = op
-        self.loc = op.loc if op.loc is not None else op.text_loc
+        self.loc = op.diagnostic_loc
         if op.loc is not None and op.text_loc is not None:
             self.notes.append(Note(op.text_loc, f"'{op.name}' is defined here in the IR"))
 
@@ -261,6 +261,11 @@ class Operation:
     #: The `Use` of each operand slot, so unlinking an operand is O(1) even for
     #: a value with many readers.
     operand_uses: list[Use] = field(factory=list, repr=False)
+
+    @property
+    def diagnostic_loc(self) -> Location | None:
+        """Where an error about this op points: its `loc`, else its line in the textual IR it was read from."""
+        return self.loc if self.loc is not None else self.text_loc
 
     @classmethod
     def create(

@@ -103,12 +103,12 @@ def differentiate(func: Operation) -> None:
     ret = block.last_op
     names = list(ret.attributes["names"])
     if any(n.startswith(GRAD_PREFIX) for n in names):
-        raise SxError(f"@{func_name(func)} already has gradient outputs", func.loc)
+        raise SxError(f"@{func_name(func)} already has gradient outputs", func.diagnostic_loc)
     if "loss" not in names:
-        raise SxError(f"@{func_name(func)} has no output named 'loss' to differentiate", func.loc)
+        raise SxError(f"@{func_name(func)} has no output named 'loss' to differentiate", func.diagnostic_loc)
     loss = ret.operands[names.index("loss")]
     if loss.type.rank != 0 or not is_float(loss):
-        raise SxError(f"the loss of @{func_name(func)} must be a float scalar, got {loss.type}", ret.loc)
+        raise SxError(f"the loss of @{func_name(func)} must be a float scalar, got {loss.type}", ret.diagnostic_loc)
     params = [op for op in block.ops if op.name == "graph.input" and op.attributes["role"] == "param"
               and is_float(op.result)]
     forward = [op for op in block.ops if op is not ret]
@@ -164,7 +164,7 @@ class _Adjoints:
             return
         rule = RULES.get(op.name)
         if rule is None:
-            raise SxError(f"autodiff has no rule for '{op.name}'", op.loc)
+            raise SxError(f"autodiff has no rule for '{op.name}'", op.diagnostic_loc)
         self.at(op, op.loc)
         contributions = rule(self, op, self.cotangent[op.results[0]], wants)
         for operand, wanted, contribution in zip(op.operands, wants, contributions):

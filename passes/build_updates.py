@@ -112,12 +112,12 @@ class BuildUpdates(Pass):
             raise SxError(f"group '{name}': unknown optimizer '{optimizer}' (known: {', '.join(OPTIMIZERS)})",
                           group.loc)
         if "lr" not in group.attributes.get("hyper", {}):
-            raise SxError(f"group '{name}' has no learning rate", group.loc)
+            raise SxError(f"group '{name}' has no learning rate", group.diagnostic_loc)
         for path in group.attributes["members"]:
             if path not in params:
-                raise SxError(f"group '{name}' names parameter '{path}', which has no exp.param", group.loc)
+                raise SxError(f"group '{name}' names parameter '{path}', which has no exp.param", group.diagnostic_loc)
             if f"update/{name}/{path}" in existing:
-                raise SxError(f"the update graph of '{path}' in group '{name}' already exists", group.loc)
+                raise SxError(f"the update graph of '{path}' in group '{name}' already exists", group.diagnostic_loc)
 
     @staticmethod
     def _build_update(

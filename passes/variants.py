@@ -56,7 +56,7 @@ def train_graph(module: Operation, needs_grads: bool = False) -> Operation:
     for op in module.body.ops:
         if op.name == "graph.func" and func_kind(op) == "train":
             if needs_grads and not any(n.startswith(GRAD_PREFIX) for n in return_names(op.body.last_op)):
-                raise SxError(f"@{func_name(op)} has no gradient outputs: run 'autodiff' first", op.loc)
+                raise SxError(f"@{func_name(op)} has no gradient outputs: run 'autodiff' first", op.diagnostic_loc)
             return op
     raise SxError("the module has no graph.func with kind = \"train\"")
 
