@@ -8,8 +8,9 @@ from typing import Any
 from .backends.executor import Executor, open_executor, unavailable_reason
 from .diagnostics import SxError, UsageError
 
-#: What `--device` accepts; whether this build and machine can open one is the executor registry's answer.
-DEVICES = ("cpu", "cuda")
+#: What `--device` accepts (`cuda-sim`: the simulated CUDA device, for tests); whether this build and
+#: machine can open one is the executor registry's answer.
+DEVICES = ("cpu", "cuda", "cuda-sim")
 
 
 def default_device() -> str:

@@ -10,7 +10,13 @@ Each `kern.kernel` gets `function` (the `extern "C"` name in the source) and
 launch's k-th operand), `"out<k>"` (its k-th result; a template's scratch
 buffers are its last results, which nothing reads) or an int (a size passed
 by value) — and `alignment`, the bytes every pointer argument must be
-aligned to. The source is recorded in the module as `kern.source {text}`; the
+aligned to. A pattern kernel (`row`, `cross_entropy`) is a template
+program that may launch several kernels in turn through scratch buffers (a
+column sum's partial rows): all of them go into the unit, its `functions`
+lists them in launch order (`function` is the first), and its `arguments`
+bind the program's parameters — `"in<k>"`, `"out<k>"`, `"scratch<j>"` (a
+workspace the launcher provides, `scratch_bytes` of each) or a size;
+`passes/emit_cuda/pattern_kernels.kernel_program` gives the launches. The source is recorded in the module as `kern.source {text}`; the
 executor and `explain --device cuda` compile it with NVRTC
 (`backends/cuda/nvrtc.compile_cubin`). When `emit-cuda` ends a `sexpgpu-opt`
 pipeline, the tool prints the source instead of the IR (as mlir-translate
@@ -30,6 +36,7 @@ from ..manager import CompilationUnit, Pass, register_pass
 from .fused import FUSED_HELPERS, FusedKernel
 from .kernel_source import KernelSource
 from .launches import template_program, template_sizes
+from .pattern_kernels import kernel_program
 from .prelude import PRELUDE, translation_unit
 
 #: Writers of the kinds other modules own (row programs, the cross-entropy tail), by kind.
@@ -55,6 +62,31 @@ def kernel_source(kernel: Operation) -> KernelSource:
     if writer is None:
         raise VerifyError(f"emit-cuda has no CUDA for a kernel of kind '{kind}'", kernel)
     return writer(kernel)
+
+
+#: Kinds whose kernel is a template program of possibly several launches (emitted whole).
+PROGRAM_KINDS = ("row", "cross_entropy")
+
+
+def program_record(kernel: Operation) -> tuple[list[KernelSource], dict[str, Any]]:
+    """The kernels of a pattern kernel's program, and what `emit-cuda` records on its symbol."""
+    program = kernel_program(kernel)
+    sizes = {"rows": kernel.attributes["rows"]}
+    inputs = iter(f"in{k}" for k in range(len(kernel.attributes["inputs"])))
+    outputs = iter(f"out{k}" for k in range(len(kernel.attributes["outputs"])))
+    scratch = program.scratch_bytes(sizes)
+    bound: list[Any] = []
+    for param in program.params:
+        if param.role == "scalar":
+            bound.append(program.all_sizes(sizes)[param.name])
+        elif param.role == "scratch":
+            bound.append(f"scratch{list(scratch).index(param.name)}")
+        else:
+            bound.append(next(inputs if param.role == "input" else outputs))
+    kernels = list(program.kernels)
+    record = {"function": kernels[0].name, "functions": [k.name for k in kernels], "arguments": bound,
+              "alignment": max(k.alignment for k in kernels), "scratch_bytes": list(scratch.values())}
+    return kernels, record
 
 
 def bind_arguments(kernel: Operation, source: KernelSource) -> list[Any]:
@@ -83,6 +115,10 @@ def emit_module(module: Operation) -> str:
     for op in list(module.body.ops):
         if op.name == "kern.source":
             op.erase()
+        elif op.name == "kern.kernel" and op.attributes["kind"] in PROGRAM_KINDS:
+            kernels, record = program_record(op)
+            op.attributes.update(record)
+            sources.extend(kernels)
         elif op.name == "kern.kernel":
             source = kernel_source(op)
             op.attributes.update(function=source.name, arguments=bind_arguments(op, source),
@@ -103,8 +139,9 @@ def emit_module(module: Operation) -> str:
 class EmitCuda(Pass):
     """Writes the CUDA C of every `kern.kernel` of the module into one translation unit.
 
-    Guarantees: every kernel has `function`, `arguments` and `alignment`; the
-    module holds one `kern.source` whose text defines each `function` once,
+    Guarantees: every kernel has `function`, `arguments` and `alignment` (a
+    pattern kernel also `functions` and `scratch_bytes`); the module holds one
+    `kern.source` whose text defines each function once,
     after the prelude; nothing else changes. A kernel kind without a writer
     is an error at the kernel.
     """
