@@ -2,7 +2,7 @@
 
     python benchmarks/cuda_lowering.py [--example examples/gpt2-small.sx] [--arch sm_90 sm_80]
 
-Runs the training pipeline, then `fuse`, `plan-buffers` and `emit-cuda` on
+Runs the training pipeline, then `match-patterns`, `fuse`, `plan-buffers` and `emit-cuda` on
 examples/gpt2-small.sx (12 layers, width 768, 12 heads, sequence 1024,
 vocabulary 50304, bf16), and compiles the translation unit with NVRTC for
 each architecture twice: into an empty kernel cache (cold) and again (warm).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sexpgpu.dialects.core import tune_gc_for_large_ir
 from sexpgpu.passes import load_all
-from sexpgpu.passes.manager import PASSES, CompilationUnit, PassManager, parse_pipeline
+from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,7 @@ def main() -> None:
     PassManager(parse_pipeline(TRAINING_PIPELINE)).run(unit)
     training = time.perf_counter() - start
     load_all()
-    # Until the pattern kernels exist in this build, the lowering is the rest of the pipeline.
-    lowering = ",".join(p for p in CUDA_LOWERING.split(",") if p in PASSES)
+    lowering = CUDA_LOWERING
     manager = PassManager(parse_pipeline(lowering), timing=True, log=io.StringIO())
     manager.run(unit)
     module = unit.module

@@ -89,12 +89,13 @@ class MatchPatterns(Pass):
                     print(remark(name, plan, replace.symbols.get(plan)), file=sys.stderr)
 
 
-def remark(graph: str, plan: Plan, symbol: str | None) -> str:
+def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
     where = f"{plan.loc}: " if plan.loc is not None else ""
     what = f"{_display(plan.family)} at {plan.path or '(no path)'} in @{graph}"
     if plan.taken:
         forms = "".join(f"; as {form}" for form in plan.match.forms)
-        return f"{where}remark: {what}: kernel @{symbol}{forms}"
+        kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
+        return f"{where}remark: {what}: kernel {kernels}{forms}"
     return f"{where}remark: {what}: fell back: {plan.reason}"
 
 
@@ -102,7 +103,7 @@ def _display(family: str) -> str:
     return family.replace("cross_entropy_", "cross-entropy ").replace("_backward", " backward").replace("_", "-")
 
 
-def pattern_facts(plans: list[Plan], symbols: dict[Plan, str]) -> dict[str, dict[str, Any]]:
+def pattern_facts(plans: list[Plan], symbols: dict[Plan, list[str]]) -> dict[str, dict[str, Any]]:
     """Per family: its report group, direction, kernels, how often it fired, the model paths of its regions,
     the `as` forms found, and the regions that fell back with their reasons."""
     facts: dict[str, dict[str, Any]] = {}
@@ -111,9 +112,7 @@ def pattern_facts(plans: list[Plan], symbols: dict[Plan, str]) -> dict[str, dict
             "group": GROUPS[plan.match.kind], "direction": plan.match.direction, "kernels": [], "fired": 0,
             "paths": [], "as": [], "fell_back": []})
         if plan.taken:
-            symbol = symbols[plan]
-            if symbol not in entry["kernels"]:
-                entry["kernels"].append(symbol)
+            entry["kernels"].extend(symbol for symbol in symbols[plan] if symbol not in entry["kernels"])
             entry["fired"] += 1
             entry["paths"].append(plan.path)
             entry["as"].extend(form for form in plan.match.forms if form not in entry["as"])
@@ -176,7 +175,8 @@ class ReplaceRegions(RewritePattern):
         #: Block order, for placing launches: ops inserted before an op take places just before it.
         self.position: dict[Operation, float] = {op: float(i) for i, op in enumerate(block.ops)}
         self.kernels = kernels
-        self.symbols: dict[Plan, str] = {}
+        #: The kernel symbols each taken plan launches, in order.
+        self.symbols: dict[Plan, list[str]] = {}
         #: Each replaced match's kernel outputs by operand name (a backward reads its forward's).
         self.outputs: dict[Match, dict[str, Value]] = {}
         #: The values replaced so far and what replaced them (matches found before rewriting hold the old ones).
@@ -250,23 +250,38 @@ class _Launch:
         rows, cols = match.region.domain.rows, match.region.domain.cols
         outputs = {name: self.output_dtype(name) for name in output_names}
         dtypes = {name: value.type.dtype for name, value in sources.items()} | {n: d for n, (d, _) in outputs.items()}
-        in_types = [self.layout(name, sources[name].type.dtype) for name in input_names]
-        out_types = [self.layout(name, outputs[name][0]) for name in output_names]
-        shape = kernel.launch_shape(dtypes, rows)
-        attributes = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
-                      "operands": [*input_names, *output_names], "inputs": in_types, "outputs": out_types,
-                      "grid": list(shape.grid), "block": list(shape.block), "shared": shape.shared_bytes,
-                      "path": plan.path}
+        types = {name: self.layout(name, sources[name].type.dtype) for name in input_names}
+        types |= {name: self.layout(name, outputs[name][0]) for name in output_names}
+        program = kernel.program(dtypes)
+        sizes = program.all_sizes({"rows": rows})
+        # Scratch (a backward's partial column sums, a loss's partial sums) is f32 the program's steps pass on.
+        types |= {name: TensorType((nbytes // 4,), "f32") for name, nbytes in program.scratch_bytes(sizes).items()}
+        base = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
+                "dtypes": dtypes, "path": plan.path}
         data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
         stem = f"{plan.family}_{data}_{cols}{_variant(kernel.options)}"
-        symbol = self.owner.kernels.symbol(stem, attributes, match.slice[0].loc)
-        self.owner.symbols[plan] = symbol
-        operands = [self.reshaped(sources[name], t, anchor) for name, t in zip(input_names, in_types)]
-        launch = self.owner.create(self.rewriter, "kern.launch", operands, {"kernel": SymbolRef(symbol), "path": plan.path},
-                                   out_types, match.slice[0].loc, anchor)
+        values = {name: self.reshaped(sources[name], types[name], anchor) for name in input_names}
+        symbols = self.owner.symbols[plan] = []
+        # One launch per step of the template's program, each a kernel symbol of its own: a step's results
+        # (scratch included) are values the next step reads, so plan-buffers places them like any other.
+        for index, step in enumerate(program.steps):
+            pointers = [(param, name) for param, name in zip(step.kernel.params, step.arguments) if param.is_pointer]
+            reads = [name for param, name in pointers if param.role == "input"]
+            writes = [name for param, name in pointers if param.role != "input"]
+            shape = step.kernel.launch(sizes)
+            attributes = {**base, "step": index, "operands": [*reads, *writes],
+                          "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
+                          "grid": list(shape.grid), "block": list(shape.block), "shared": shape.shared_bytes}
+            suffix = f"_{step.kernel.family}" if index else ""
+            symbol = self.owner.kernels.symbol(stem + suffix, attributes, match.slice[0].loc)
+            symbols.append(symbol)
+            launch = self.owner.create(self.rewriter, "kern.launch", [values[n] for n in reads],
+                                       {"kernel": SymbolRef(symbol), "path": plan.path},
+                                       [types[n] for n in writes], match.slice[0].loc, anchor)
+            values.update(zip(writes, launch.results))
         for value in plan.recomputed:
             self.rewriter.replace_all_uses_with(value, self.recompute(value, anchor))
-        results = dict(zip(output_names, launch.results))
+        results = {name: values[name] for name in output_names}
         self.owner.outputs[match] = results
         for name, result in results.items():
             for value in outputs[name][1]:
@@ -312,8 +327,9 @@ class _Launch:
     def output_dtype(self, name: str) -> tuple[str, list[Value]]:
         """The dtype the kernel writes an output in, and the graph values that output replaces.
 
-        A data output every outside reader of which casts to one other float dtype is written in that dtype
-        (the casts' results are replaced); statistics nothing reads are f32.
+        A data output every outside reader of which casts to one other float dtype (directly, or through a
+        reshape only casts read) is written in that dtype (the casts' results are replaced); statistics
+        nothing reads are f32.
         """
         values = self.plan.match.outputs.get(name, [])
         if not values:
@@ -321,11 +337,12 @@ class _Launch:
         inside = set(self.plan.match.slice)
         if name in DATA_OUTPUTS and self.plan.match.accumulate is None:
             readers = [u for v in values for u in v.users() if u not in inside]
-            dtypes = {u.attributes["dtype"] for u in readers if is_float_cast(u)}
-            if readers and len(dtypes) == 1 and all(is_float_cast(u) for u in readers):
+            casts = [c for u in readers for c in _casts_reading(u)]
+            dtypes = {c.attributes["dtype"] for c in casts}
+            if readers and len(dtypes) == 1 and all(_casts_reading(u) for u in readers):
                 (dtype,) = dtypes
                 if dtype in FLOAT_STORAGE and dtype != values[0].type.dtype:
-                    return dtype, [u.result for u in readers]
+                    return dtype, [c.result for c in casts]
         return values[0].type.dtype, values
 
     def layout(self, name: str, dtype: str) -> TensorType:
@@ -365,3 +382,14 @@ class _Launch:
                                     anchor.loc, anchor)
             new = mul.result
         return new
+
+
+def _casts_reading(reader: Operation) -> list[Operation]:
+    """The float casts `reader` is, or reads through as a reshape only they read; empty when it is neither."""
+    if is_float_cast(reader):
+        return [reader]
+    if reader.name == "graph.reshape":
+        users = list(reader.result.users())
+        if users and all(is_float_cast(u) for u in users):
+            return users
+    return []

@@ -10,13 +10,7 @@ Each `kern.kernel` gets `function` (the `extern "C"` name in the source) and
 launch's k-th operand), `"out<k>"` (its k-th result; a template's scratch
 buffers are its last results, which nothing reads) or an int (a size passed
 by value) — and `alignment`, the bytes every pointer argument must be
-aligned to. A pattern kernel (`row`, `cross_entropy`) is a template
-program that may launch several kernels in turn through scratch buffers (a
-column sum's partial rows): all of them go into the unit, its `functions`
-lists them in launch order (`function` is the first), and its `arguments`
-bind the program's parameters — `"in<k>"`, `"out<k>"`, `"scratch<j>"` (a
-workspace the launcher provides, `scratch_bytes` of each) or a size;
-`passes/emit_cuda/pattern_kernels.kernel_program` gives the launches. The source is recorded in the module as `kern.source {text}`; the
+aligned to. The source is recorded in the module as `kern.source {text}`; the
 executor and `explain --device cuda` compile it with NVRTC
 (`backends/cuda/nvrtc.compile_cubin`). When `emit-cuda` ends a `sexpgpu-opt`
 pipeline, the tool prints the source instead of the IR (as mlir-translate
@@ -36,71 +30,47 @@ from ..manager import CompilationUnit, Pass, register_pass
 from .fused import FUSED_HELPERS, FusedKernel
 from .kernel_source import KernelSource
 from .launches import template_program, template_sizes
-from .pattern_kernels import kernel_program
+from .pattern_kernels import step_binding
 from .prelude import PRELUDE, translation_unit
 
-#: Writers of the kinds other modules own (row programs, the cross-entropy tail), by kind.
-KERNEL_WRITERS: dict[str, Callable[[Operation], KernelSource]] = {}
 
-
-def _template_source(kernel: Operation) -> KernelSource:
-    program = template_program(kernel.attributes["kind"], kernel.attributes)
-    (step,) = program.steps
-    return step.kernel
-
-
-for _kind in ("fill", "copy", "scatter_add"):
-    KERNEL_WRITERS[_kind] = _template_source
-
-
-def kernel_source(kernel: Operation) -> KernelSource:
-    """The CUDA function of one `kern.kernel`."""
-    kind = kernel.attributes["kind"]
-    if kind in BODY_KINDS:
-        return FusedKernel(kernel).source()
-    writer = KERNEL_WRITERS.get(kind)
-    if writer is None:
-        raise VerifyError(f"emit-cuda has no CUDA for a kernel of kind '{kind}'", kernel)
-    return writer(kernel)
-
-
-#: Kinds whose kernel is a template program of possibly several launches (emitted whole).
-PROGRAM_KINDS = ("row", "cross_entropy")
-
-
-def program_record(kernel: Operation) -> tuple[list[KernelSource], dict[str, Any]]:
-    """The kernels of a pattern kernel's program, and what `emit-cuda` records on its symbol."""
-    program = kernel_program(kernel)
-    sizes = {"rows": kernel.attributes["rows"]}
-    inputs = iter(f"in{k}" for k in range(len(kernel.attributes["inputs"])))
-    outputs = iter(f"out{k}" for k in range(len(kernel.attributes["outputs"])))
-    scratch = program.scratch_bytes(sizes)
-    bound: list[Any] = []
-    for param in program.params:
-        if param.role == "scalar":
-            bound.append(program.all_sizes(sizes)[param.name])
-        elif param.role == "scratch":
-            bound.append(f"scratch{list(scratch).index(param.name)}")
-        else:
-            bound.append(next(inputs if param.role == "input" else outputs))
-    kernels = list(program.kernels)
-    record = {"function": kernels[0].name, "functions": [k.name for k in kernels], "arguments": bound,
-              "alignment": max(k.alignment for k in kernels), "scratch_bytes": list(scratch.values())}
-    return kernels, record
-
-
-def bind_arguments(kernel: Operation, source: KernelSource) -> list[Any]:
-    """What each parameter of `source` takes for `kernel` (see the module docstring)."""
-    sizes = template_sizes(kernel.attributes["kind"], kernel.attributes)
+def _bind(kernel: Operation, source: KernelSource, sizes: dict[str, int]) -> list[Any]:
     inputs = (f"in{k}" for k in range(len(kernel.attributes["inputs"])))
     outputs = (f"out{k}" for k in range(len(kernel.attributes["outputs"])))
-    bound: list[Any] = []
-    for param in source.params:
-        if param.role == "scalar":
-            bound.append(sizes[param.name])
-        else:
-            bound.append(next(inputs if param.role == "input" else outputs))
-    return bound
+    return [next(inputs if param.role == "input" else outputs) if param.is_pointer else sizes[param.name]
+            for param in source.params]
+
+
+def _template_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """A one-launch template kernel (`fill`, `copy`, `scatter_add`) and its arguments."""
+    program = template_program(kernel.attributes["kind"], kernel.attributes)
+    (step,) = program.steps
+    return step.kernel, _bind(kernel, step.kernel, template_sizes(kernel.attributes["kind"], kernel.attributes))
+
+
+def _fused_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """A generated kernel: its operands and results, every size compiled in."""
+    source = FusedKernel(kernel).source()
+    return source, _bind(kernel, source, {})
+
+
+#: Each kernel kind's CUDA function and the arguments a launch passes it (module docstring): the generated
+#: kinds from their body, the templates' from their program (a pattern kernel is one step of its family's).
+BINDINGS: dict[str, Callable[[Operation], tuple[KernelSource, list[Any]]]] = {
+    **{kind: _fused_binding for kind in BODY_KINDS},
+    **{kind: _template_binding for kind in ("fill", "copy", "scatter_add")},
+    "row": step_binding,
+    "cross_entropy": step_binding,
+}
+
+
+def kernel_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """The CUDA function of one `kern.kernel` and what each of its parameters takes."""
+    kind = kernel.attributes["kind"]
+    binding = BINDINGS.get(kind)
+    if binding is None:
+        raise VerifyError(f"emit-cuda has no CUDA for a kernel of kind '{kind}'", kernel)
+    return binding(kernel)
 
 
 def unit_source(sources: list[KernelSource]) -> str:
@@ -115,13 +85,9 @@ def emit_module(module: Operation) -> str:
     for op in list(module.body.ops):
         if op.name == "kern.source":
             op.erase()
-        elif op.name == "kern.kernel" and op.attributes["kind"] in PROGRAM_KINDS:
-            kernels, record = program_record(op)
-            op.attributes.update(record)
-            sources.extend(kernels)
         elif op.name == "kern.kernel":
-            source = kernel_source(op)
-            op.attributes.update(function=source.name, arguments=bind_arguments(op, source),
+            source, arguments = kernel_binding(op)
+            op.attributes.update(function=source.name, arguments=arguments,
                                  alignment=source.alignment)
             sources.append(source)
     text = unit_source(sources)
@@ -139,9 +105,8 @@ def emit_module(module: Operation) -> str:
 class EmitCuda(Pass):
     """Writes the CUDA C of every `kern.kernel` of the module into one translation unit.
 
-    Guarantees: every kernel has `function`, `arguments` and `alignment` (a
-    pattern kernel also `functions` and `scratch_bytes`); the module holds one
-    `kern.source` whose text defines each function once,
+    Guarantees: every kernel has `function`, `arguments` and `alignment`; the
+    module holds one `kern.source` whose text defines each `function` once,
     after the prelude; nothing else changes. A kernel kind without a writer
     is an error at the kernel.
     """

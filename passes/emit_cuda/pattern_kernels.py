@@ -25,9 +25,9 @@ from typing import Any
 
 from attrs import frozen
 
-from ...dialects.core import Operation, TensorType
+from ...dialects.core import Operation
 from . import templates
-from .kernel_source import KernelProgram, LaunchShape
+from .kernel_source import KernelProgram, KernelSource, LaunchShape
 
 #: The row-program template of each family, and the template options it takes.
 ROW_TEMPLATES: dict[str, tuple[Callable[..., KernelProgram], tuple[str, ...]]] = {
@@ -108,7 +108,22 @@ def pattern_kernel(kernel: Operation) -> PatternKernel:
 
 
 def kernel_program(kernel: Operation) -> KernelProgram:
-    """The program of a `row` or `cross_entropy` `kern.kernel`, its operands' dtypes taken from its signature."""
-    types: list[TensorType] = [*kernel.attributes["inputs"], *kernel.attributes["outputs"]]
-    dtypes = {name: t.dtype for name, t in zip(kernel.attributes["operands"], types)}
-    return pattern_kernel(kernel).program(dtypes)
+    """The program a `row` or `cross_entropy` `kern.kernel` is one step of, with its operands' dtypes."""
+    return pattern_kernel(kernel).program(kernel.attributes["dtypes"])
+
+
+def step_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:
+    """The CUDA function a pattern kernel symbol launches (its program's step `step`) and what each of its
+    parameters takes: `"in<k>"`/`"out<k>"` (the launch's k-th operand or result) or a size by value."""
+    program = kernel_program(kernel)
+    step = program.steps[kernel.attributes.get("step", 0)]
+    sizes = program.all_sizes({"rows": kernel.attributes["rows"]})
+    inputs = (f"in{k}" for k in range(len(kernel.attributes["inputs"])))
+    outputs = (f"out{k}" for k in range(len(kernel.attributes["outputs"])))
+    bound: list[Any] = []
+    for param, name in zip(step.kernel.params, step.arguments):
+        if not param.is_pointer:
+            bound.append(sizes[name])
+        else:
+            bound.append(next(inputs if param.role == "input" else outputs))
+    return step.kernel, bound

@@ -23,7 +23,8 @@ def lowered() -> CompilationUnit:
 def test_facts_per_graph_and_family(lowered: CompilationUnit) -> None:
     train = lowered.facts["lowering"]["patterns"]["train"]
     assert train["cross_entropy_forward"] == {
-        "group": "cross-entropy tail", "direction": "forward", "kernels": ["cross_entropy_forward_f32_256_mean"],
+        "group": "cross-entropy tail", "direction": "forward", "kernels": ["cross_entropy_forward_f32_256_mean",
+                                                                       "cross_entropy_forward_f32_256_mean_sum_reduce"],
         "fired": 1, "paths": ["model.proj"], "as": ["gather of log-probabilities, negated per row"], "fell_back": []}
     assert train["cross_entropy_backward"]["paths"] == ["model.proj"]
     assert train["softmax"]["paths"] == ["model.blocks.0.attn", "model.blocks.1.attn"]

@@ -31,7 +31,7 @@ from sexpgpu.backends.interpreter.kernels import kernel_for
 from sexpgpu.dialects.core import Operation
 from sexpgpu.dialects.graph import emit_collection, emit_name, input_name, return_names
 from sexpgpu.dialects.kern import find_kernel
-from sexpgpu.passes.emit_cuda.pattern_kernels import kernel_program
+from sexpgpu.passes.emit_cuda.pattern_kernels import kernel_program, step_binding
 from sexpgpu.passes.emit_cuda.prelude import translation_unit
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 
@@ -133,8 +133,7 @@ def device() -> SimDevice:
 @pytest.fixture(scope="module")
 def module(device, compiled):
     """Every launched kernel of every case in one translation unit, compiled once."""
-    kernels = [k for _, lowered in compiled.values() for op in launches(lowered)
-               for k in kernel_program(find_kernel(op)).kernels]
+    kernels = [step_binding(find_kernel(op))[0] for _, lowered in compiled.values() for op in launches(lowered)]
     return device.compile(translation_unit(kernels), "match_patterns_sim.cu")
 
 
@@ -183,30 +182,21 @@ def run_lowered(func: Operation, inputs: Mapping[str, np.ndarray], device: SimDe
 
 
 def launch_on_sim(op: Operation, operands: list[np.ndarray], device: SimDevice, module) -> list[np.ndarray]:
+    """One step of a pattern kernel's program, bound as emit-cuda binds it (`in<k>`, `out<k>`, sizes)."""
     kernel = find_kernel(op)
-    program = kernel_program(kernel)
-    names = kernel.attributes["operands"]
-    sizes = {"rows": kernel.attributes["rows"]}
-    arguments: dict[str, object] = dict(sizes)
-    buffers = []
-    for name, array, t in zip(names, operands, kernel.attributes["inputs"]):
-        arguments[name] = device.upload(np.ascontiguousarray(array, dtype=NUMPY[t.dtype]), name)
-        buffers.append(arguments[name])
-    outputs = dict(zip(names[len(operands):], kernel.attributes["outputs"]))
-    for name, t in outputs.items():
-        arguments[name] = device.alloc(max(t.nbytes, 1), name)
-        buffers.append(arguments[name])
-    for name, nbytes in program.scratch_bytes(sizes).items():
-        arguments[name] = device.alloc(nbytes, name)
-        buffers.append(arguments[name])
+    source, arguments = step_binding(kernel)
+    buffers = {f"in{k}": device.upload(np.ascontiguousarray(array, dtype=NUMPY[t.dtype]), f"in{k}")
+               for k, (array, t) in enumerate(zip(operands, kernel.attributes["inputs"]))}
+    outputs = kernel.attributes["outputs"]
+    buffers |= {f"out{k}": device.alloc(max(t.nbytes, 1), f"out{k}") for k, t in enumerate(outputs)}
     try:
-        for launch in program.launches(arguments):
-            device.launch(module.kernel(launch.kernel.name), launch.shape.grid, launch.shape.block,
-                          launch.shape.shared_bytes, launch.arguments)
-        return [device.download(arguments[name], NUMPY[t.dtype], t.shape) for name, t in outputs.items()]
+        shape = source.launch(kernel_program(kernel).all_sizes({"rows": kernel.attributes["rows"]}))
+        device.launch(module.kernel(source.name), shape.grid, shape.block, shape.shared_bytes,
+                      [buffers[a] if isinstance(a, str) else a for a in arguments])
+        return [device.download(buffers[f"out{k}"], NUMPY[t.dtype], t.shape) for k, t in enumerate(outputs)]
     finally:
-        for buf in buffers:
-            device.free(buf)
+        for buffer in buffers.values():
+            device.free(buffer)
 
 
 def assert_close(name: str, got: np.ndarray, want: np.ndarray, tolerance: float) -> None:
