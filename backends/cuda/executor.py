@@ -318,7 +318,7 @@ def _path_of_error(module: Operation, source: str, log: str) -> str:
     if not before:
         return ""
     for op in module.body.ops:
-        if op.name == "kern.kernel" and before[-1] in (op.attributes.get("functions") or [op.attributes.get("function")]):
+        if op.name == "kern.kernel" and op.attributes.get("function") == before[-1]:
             return str(op.attributes.get("path", ""))
     return ""
 

@@ -7,8 +7,7 @@ launcher runs in order, each operand a `Place` — where its bytes are during
 a call, relative to a base the call supplies:
 
 - `arena`: an offset in the activation arena (`plan-buffers`' `offsets`;
-  a pattern kernel's scratch lies past `arena_bytes`, one region for every
-  launch since they run one after another);
+  a pattern kernel's scratch is a value like any other);
 - `input`: an offset in the array the caller passed for input k;
 - `const`: a dense `graph.const`, uploaded once;
 - `external`: a value the graph returns or emits (`plan-buffers` leaves
@@ -23,7 +22,6 @@ and launches.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 from attrs import define, frozen
@@ -33,8 +31,6 @@ from ...dialects.graph import emit_collection, emit_name, input_name, input_role
 from ...dialects.graph_semantics import numpy_dtypes
 from ...dialects.index_maps import Expr
 from ...dialects.kern import find_kernel, gemm_dims
-from ...passes.emit_cuda.emit import PROGRAM_KINDS
-from ...passes.emit_cuda.pattern_kernels import kernel_program
 from .cublaslt import GemmSpec
 
 #: Views that cost nothing: the same bytes read as another shape.
@@ -160,8 +156,6 @@ class GraphPlan:
         self.steps: list[LaunchStep | GemmStep] = []
         self.outputs: list[Output] = []
         self.emits: list[Emit] = []
-        #: Bytes past `arena_bytes` the pattern kernels' scratch buffers need (one launch at a time).
-        self.scratch_bytes = 0
         #: input index -> the index of the last step that reads it (-1: none does).
         self.last_read: dict[int, int] = {}
         self._places: dict[Value, Place] = {}
@@ -171,8 +165,8 @@ class GraphPlan:
 
     @property
     def arena_need(self) -> int:
-        """Bytes of activation arena one call uses: the planned buffers and the scratch after them."""
-        return aligned(self.arena_bytes) + self.scratch_bytes
+        """Bytes of activation arena one call uses: the buffers `plan-buffers` placed."""
+        return aligned(self.arena_bytes)
 
     @property
     def kernels_per_call(self) -> int:
@@ -247,32 +241,10 @@ class GraphPlan:
         operands = [self._places[v] for v in op.operands]
         path = str(op.attributes.get("path") or attrs.get("path") or "")
         symbol = str(attrs["sym_name"])
-        if kind in PROGRAM_KINDS:
-            self._program(kernel, operands, results, symbol, path)
-            return
         bound = {**{f"in{k}": p for k, p in enumerate(operands)}, **{f"out{k}": p for k, p in enumerate(results)}}
         arguments = tuple(bound[a] if isinstance(a, str) else a for a in attrs["arguments"])
         self.steps.append(LaunchStep(str(attrs["function"]), tuple(attrs["grid"]), tuple(attrs["block"]),
                                      int(attrs["shared"]), arguments, symbol, path))
-
-    def _program(self, kernel: Operation, operands: list[Place], results: list[Place], symbol: str, path: str) -> None:
-        """A pattern kernel: its template program's launches, scratch past the planned arena."""
-        attrs = kernel.attributes
-        program = kernel_program(kernel)
-        sizes = {"rows": int(attrs["rows"])}
-        names = list(attrs["operands"])
-        values: dict[str, Any] = dict(zip(names, [*operands, *results]))
-        offset = aligned(self.arena_bytes)
-        used = 0
-        for scratch, nbytes in program.scratch_bytes(sizes).items():
-            values[scratch] = Place("arena", 0, offset + used)
-            used += aligned(nbytes)
-        self.scratch_bytes = max(self.scratch_bytes, used)
-        values.update(program.all_sizes(sizes))
-        for launch in program.launches(values):
-            shape = launch.shape
-            self.steps.append(LaunchStep(launch.kernel.name, tuple(shape.grid), tuple(shape.block),
-                                         int(shape.shared_bytes), tuple(launch.arguments), symbol, path))
 
     def _gemm(self, op: Operation) -> None:
         spec, alpha, beta = gemm_spec(op)
