@@ -28,7 +28,7 @@ def require_available(device: str, verb: str) -> None:
     """A usage error for an unknown device; a user error, with the registry's reason, for one that
     this build has no executor for or that cannot open on this machine."""
     if device not in DEVICES:
-        raise UsageError(f"--device must be {' or '.join(DEVICES)}, not {device}")
+        raise UsageError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, not {device}")
     _register_builtin_executors()
     reason = unavailable_reason(device)
     if reason is not None:

@@ -41,10 +41,5 @@ class InterpreterExecutor(Executor):
                              f"{target.dtype}{list(target.shape)} one")
         np.copyto(target, source)
 
-    def write(self, target: np.ndarray, host: np.ndarray) -> None:
-        if tuple(np.shape(host)) != target.shape:
-            raise ValueError(f"write of a {list(np.shape(host))} array into a {target.dtype}{list(target.shape)} one")
-        np.copyto(target, host, casting="unsafe")
-
     def view(self, flat: np.ndarray, offset: int, shape: Sequence[int]) -> np.ndarray:
         return flat[offset:offset + math.prod(shape)].reshape(tuple(shape))

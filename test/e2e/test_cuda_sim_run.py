@@ -184,3 +184,25 @@ def test_a_run_resumes_on_the_other_device(runs, tmp_path, origin, device):
     shutil.copytree(out / "checkpoints" / "step-4", checkpoint)
     resumed, _ = run(source, tmp_path / "resumed", device, resume=checkpoint)
     assert_close(values(resumed), {k: v for k, v in values(original).items() if k[1] > 4})
+
+
+def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
+    """`sexpgpu run examples/gpt.sx --variant smoke --device cuda-sim --set steps=3`, narrowed to one
+    small block so the simulator runs it in seconds: four microbatches a step, stacked."""
+    import subprocess
+    import sys
+
+    small = ["--variant", "smoke", "--set", "steps=3", "--set", "layers=1", "--set", "width=32", "--set", "heads=2",
+             "--set", "seq=16"]
+    found = {}
+    for device in ("cpu", "cuda-sim"):
+        out = tmp_path / device
+        done = subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", "examples/gpt.sx", *small,
+                               "--device", device, "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        found[device] = values(read_events(out / "events.jsonl"))
+        if device == "cuda-sim":
+            assert "\n  stacking                  4" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(found["cpu"]) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
+    assert_close(found["cuda-sim"], found["cpu"])

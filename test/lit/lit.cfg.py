@@ -24,3 +24,9 @@ config.substitutions.append(("%python", sys.executable))
 # `REQUIRES: matplotlib` / `UNSUPPORTED: matplotlib` for the plot verb's tests.
 if importlib.util.find_spec("matplotlib") is not None:
     config.available_features.add("matplotlib")
+
+# `UNSUPPORTED: cuda-gpu` for the tests of what `--device cuda` says on a machine without a CUDA GPU.
+from sexpgpu.backends.cuda.selection import runtime_unavailable  # noqa: E402
+
+if runtime_unavailable("cuda") is None:
+    config.available_features.add("cuda-gpu")
