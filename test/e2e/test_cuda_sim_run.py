@@ -206,3 +206,20 @@ def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
             assert "\n  stacking                  4" in done.stderr and "Traceback" not in done.stderr
     assert sorted(found["cpu"]) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
     assert_close(found["cuda-sim"], found["cpu"])
+
+
+def test_every_graph_captured_from_its_second_call_trains_as_eager_launches(runs, tmp_path, monkeypatch):
+    """Capture at the second call of every graph, the one-kernel update graphs too (which read the step,
+    and so the learning rate, from a device scalar a replay copies from its host mirror): the same
+    losses, evaluations and diagnostics, bit for bit, as launching every kernel eagerly."""
+    from sexpgpu.backends.cuda import executable
+
+    source, _, _ = runs["source"]
+    monkeypatch.setattr(executable, "CAPTURE_AFTER_CALLS", 1)
+    monkeypatch.setattr(executable, "CAPTURE_MIN_KERNELS", 1)
+    captured, report = run(source, tmp_path / "captured", "cuda-sim")
+    monkeypatch.setenv("SEXPGPU_CAPTURE", "off")
+    eager, eager_report = run(source, tmp_path / "eager", "cuda-sim")
+    assert values(captured) == values(eager)
+    assert "update default" in report and report.count(", captured") >= 5
+    assert ", captured" not in eager_report and "capture                   off: turned off" in eager_report
