@@ -1,26 +1,36 @@
-"""`sexpgpu explain FILE [selection] [--json]`: the target-independent account of one file.
+"""`sexpgpu explain FILE [selection] [--json] [--device cpu|cuda [--target ARCH]]`: what the compiler made of a file.
 
 It runs the training pipeline and then the `explain` dump pass, exactly what
 `sexpgpu-opt FILE -p '<training pipeline>,explain'` runs, so the two print
-the same report (see docs/verbs/explain.md).
+the same report (see docs/verbs/explain.md). With `--device cuda` the report
+ends with the lowering report instead of the device hole: the CUDA lowering
+of every graph a step runs, its kernels compiled by NVRTC for the device's
+architecture, or for `--target` without opening a device (docs/cuda.md,
+"The lowering report").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import TextIO
 
 from ..devices import require_available
+from ..diagnostics import UsageError
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
+from ..report import build_document, render_text
 from .common import add_device_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    add_device_flag(parser, "cpu: the device hole; cuda: the lowering report, which needs the CUDA executor")
+    add_device_flag(parser, "cpu: the device hole; cuda: the lowering report, which opens the GPU unless --target")
+    parser.add_argument("--target", metavar="ARCH",
+                        help="with --device cuda: lower and compile for ARCH (sm_80, sm_90) without opening a device")
 
 
 def compile_unit(file: str, variant: str | None, sets: list[str], dump: str = "", out: TextIO | None = None) -> CompilationUnit:
@@ -29,7 +39,37 @@ def compile_unit(file: str, variant: str | None, sets: list[str], dump: str = ""
     return run_pipeline(unit, f"{TRAINING_PIPELINE},{dump}" if dump else TRAINING_PIPELINE)
 
 
+def listed_launches() -> bool:
+    """Whether `SEXPGPU_EXPLAIN=kernels` asks for every launch of each row's first graph."""
+    value = os.environ.get("SEXPGPU_EXPLAIN", "").strip()
+    if value not in ("", "kernels"):
+        raise UsageError(f"SEXPGPU_EXPLAIN must be kernels (or unset), not {value!r}")
+    return value == "kernels"
+
+
 def run(args: argparse.Namespace) -> int:
-    require_available(args.device, "explain")
-    compile_unit(args.file, args.variant, args.set, "explain{json=true}" if args.json else "explain")
+    if args.target is not None and args.device != "cuda":
+        raise UsageError("--target needs --device cuda: it names the architecture the CUDA lowering compiles for")
+    if args.device != "cuda":
+        require_available(args.device, "explain")
+        compile_unit(args.file, args.variant, args.set, "explain{json=true}" if args.json else "explain")
+        return 0
+    launches = listed_launches()
+    from ..backends.cuda.lowering import check_target, lowering_report, query_device, stack_for_report
+    from ..backends.cuda.nvrtc import nvrtc_toolchain
+
+    nvrtc_toolchain()  # without the cuda extra: one line naming the install command, before any work
+    if args.target is None:
+        require_available("cuda", "explain")
+        arch, device = query_device("cuda")
+    else:
+        arch, device = check_target(args.target), None
+    unit = compile_unit(args.file, args.variant, args.set)
+    document = build_document(unit.module, unit.facts, unit.path)
+    document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module, device), device=device,
+                                         launches=launches)
+    if args.json:
+        sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    else:
+        sys.stdout.write(render_text(document))
     return 0

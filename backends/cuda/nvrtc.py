@@ -122,6 +122,16 @@ def _locate_nvrtc() -> Nvrtc:
     return Nvrtc((major, minor), library.abs_path, library.found_via, include_dirs, (headers.found_via,), identity)
 
 
+def supported_archs() -> list[str]:
+    """The real architectures this NVRTC compiles CUBIN for (`sm_75`, `sm_80`, ...)."""
+    from cuda.bindings import nvrtc
+
+    nvrtc_toolchain()
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check(err, "nvrtcGetSupportedArchs")
+    return [f"sm_{a}" for a in archs]
+
+
 def _file_identity(path: str) -> list:
     stat = os.stat(path)
     return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns]

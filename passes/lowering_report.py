@@ -1,0 +1,225 @@
+"""The lowering document: what the CUDA lowering made of each graph a step runs, as the lowering report's numbers.
+
+`lowering_document` reads a module after `CUDA_LOWERING` (`passes/pipelines.py`)
+and the facts its passes left (`unit.facts["lowering"]`: `match-patterns`'
+families, `fuse`'s rows and update groups, `plan-buffers`' arenas), and
+returns one dict with stable keys (the `device` object of
+`sexpgpu/schemas/explain.schema.json`). `sexpgpu.report.render_lowering`
+renders it, and only it, as the report's text: `explain --device cuda` prints
+it in place of the device hole, the CUDA executor before a run's first step.
+
+What only the compiler can tell (the registers and spills of every kernel)
+comes in as `compiled`, plain data the caller gathers from NVRTC
+(`backends/cuda/lowering.py`); what only an opened device can tell (its name,
+its memory, the stacking degree a run chose, which graphs it captured) comes
+in as `sexpgpu.report.DeviceFacts`, each field None where nothing was
+measured.
+
+Rows: one per graph, in the explain report's order (train, train
+accumulating, train stacked, train diagnosed, each evaluation by name, clip
+graphs, one row per optimizer group summing its update graphs). A row's
+`kernels` are the launches one call makes on the device: every `kern.launch`
+(a pattern program's steps, a norm backward's column sums included, are
+launches of their own) and every `kern.gemm`, so they are what a profiler
+counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..dialects.core import Operation
+from ..dialects.graph import func_kind, graph_funcs
+from ..dialects.kern import gemm_dims
+from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title
+
+#: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
+UPDATE_GROUP = "pointwise programs"
+#: Executors the report is written for (the first word of its first line).
+EXECUTORS = ("cuda", "cuda-sim")
+
+
+def lowering_document(
+    module: Operation,
+    facts: Mapping[str, Any],
+    arch: str,
+    executor: str = "cuda",
+    compiled: Mapping[str, Any] | None = None,
+    device: DeviceFacts | None = None,
+    launches: bool = False,
+) -> dict[str, Any]:
+    """The lowering document of a module after `CUDA_LOWERING` and the facts its passes left (`unit.facts`).
+
+    `arch` is the architecture the kernels were compiled for (`sm_90`); `compiled` the compiler's figures
+    (`backends/cuda/lowering.compile_facts`), None when nothing was compiled; `device` what the opened device
+    told (`apply_device`); `launches` adds every launch of each row's first graph, in execution order
+    (`SEXPGPU_EXPLAIN=kernels`).
+    """
+    if executor not in EXECUTORS:
+        raise ValueError(f"no lowering report for executor {executor!r}")
+    lowering = facts.get("lowering")
+    if lowering is None or "graphs" not in lowering:
+        raise ValueError("the lowering document needs a module after the CUDA lowering (fuse's facts are missing)")
+    kernels = {op.attributes["sym_name"]: op for op in module.body.ops if op.name == "kern.kernel"}
+    run = next(op.attributes for op in module.body.ops if op.name == "exp.run")
+    rows = _rows(module, lowering, kernels, launches)
+    stacked = next((f for f in graph_funcs(module) if func_kind(f) == "train_stacked"), None)
+    document = {
+        "executor": executor,
+        "arch": arch,
+        "name": None,
+        "patterns": "patterns" in lowering,
+        "rows": rows,
+        "memory": _memory(lowering, rows),
+        "stacking": {"microbatches": run["microbatches"], "ranks": 1, "degrees": stacking_degrees(run["microbatches"]),
+                     "chosen": None, "planned": stacked.attributes.get("k") if stacked is not None else None},
+        "capture": {"measured": False, "off": None},
+        "compiled": dict(compiled) if compiled is not None else None,
+    }
+    return apply_device(document, device) if device is not None else document
+
+
+def without_launches(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` without the launch lists (`SEXPGPU_EXPLAIN` unset), in place, and returned."""
+    for row in document["rows"]:
+        row.pop("launches", None)
+    return document
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+def _rows(module: Operation, lowering: Mapping[str, Any], kernels: Mapping[str, Operation],
+          launches: bool) -> list[dict[str, Any]]:
+    by_title: dict[str, list[Operation]] = {}
+    funcs = sorted(graph_funcs(module), key=lambda f: GRAPH_ORDER.get(func_kind(f) or "", len(GRAPH_ORDER)))
+    for func in funcs:
+        by_title.setdefault(graph_title(func), []).append(func)
+    graph_facts = lowering["graphs"]
+    updates = lowering.get("updates", {})
+    rows = []
+    for title, members in by_title.items():
+        symbols = [f.attributes["sym_name"] for f in members]
+        kind = func_kind(members[0]) or "unknown"
+        merged = updates.get(members[0].attributes.get("group")) if kind == "update" else None
+        sizes = sorted(size for s in symbols for size in graph_facts[s]["fused_groups"])
+        row: dict[str, Any] = {
+            "name": title,
+            "kind": kind,
+            "symbols": symbols,
+            "graphs": merged["graphs"] if merged else len(members),
+            "nodes": merged["nodes"] if merged else sum(graph_facts[s]["nodes"] for s in symbols),
+            "kernels": sum(_device_launches(f) for f in members),
+            "gemms": sum(graph_facts[s]["gemms"] for s in symbols),
+            "fused_groups": sizes,
+            "arena_bytes": max((lowering.get("arenas", {}).get(s, 0) for s in symbols), default=0),
+            "captured": None,
+            "families": _update_families(title, members, merged, lowering) if kind == "update"
+            else _pattern_families([lowering.get("patterns", {}).get(s, {}) for s in symbols]),
+        }
+        if launches:
+            row["launches"] = launch_list(members[0], kernels)
+        rows.append(row)
+    return rows
+
+
+def _device_launches(func: Operation) -> int:
+    return sum(op.name in ("kern.launch", "kern.gemm") for op in func.body.ops)
+
+
+def family_display(family: str) -> str:
+    """A family as the report names it: `layernorm backward`, `log-softmax`; the tail by its direction."""
+    if family.startswith("cross_entropy_"):
+        return family.removeprefix("cross_entropy_")
+    return family.replace("_backward", " backward").replace("_", "-")
+
+
+def base_family(family: str) -> str:
+    """The family a form belongs to, its backward included: `layernorm`, `cross-entropy`."""
+    if family.startswith("cross_entropy"):
+        return "cross-entropy"
+    return family.removesuffix("_backward").replace("_", "-")
+
+
+def _pattern_families(per_graph: Iterable[Mapping[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """The report groups of a row's pattern facts (`match-patterns`), in the order their families first fired."""
+    groups: dict[str, dict[str, Any]] = {}
+    for families in per_graph:
+        for family, entry in families.items():
+            group = groups.setdefault(entry["group"], {"group": entry["group"], "kernels": [], "paths": [], "as": [],
+                                                       "fell_back": []})
+            if entry["fired"]:
+                kernel = next((k for k in group["kernels"] if k["family"] == family), None)
+                if kernel is None:
+                    kernel = {"family": family, "base": base_family(family), "name": family_display(family),
+                              "fired": 0}
+                    group["kernels"].append(kernel)
+                kernel["fired"] += entry["fired"]
+            group["paths"].extend(p for p in entry["paths"] if p not in group["paths"])
+            for form in entry["as"]:
+                found = {"family": base_family(family), "form": form}
+                if found not in group["as"]:
+                    group["as"].append(found)
+            group["fell_back"].extend({"family": family_display(family) if entry["group"] == "row programs"
+                                       else f"cross-entropy {family_display(family)}", **fell}
+                                      for fell in entry["fell_back"])
+    return list(groups.values())
+
+
+def _update_families(title: str, members: list[Operation], merged: Mapping[str, Any] | None,
+                     lowering: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An optimizer group's update kernels: one multi-tensor update when its graphs merged, else one
+    pointwise kernel per graph, with the reason `fuse` recorded."""
+    fell_back = [{"family": f["family"], "path": f["path"], "reason": f["reason"], "loc": None}
+                 for f in lowering.get("fell_back", []) if f.get("graph") == title]
+    name = "multi-tensor update" if merged else "pointwise"
+    return [{"group": UPDATE_GROUP, "kernels": [{"family": "update", "base": "update", "name": name,
+                                                 "fired": len(members)}],
+             "paths": [], "as": [], "fell_back": fell_back}]
+
+
+# -- launches -----------------------------------------------------------------------------------
+
+
+def launch_list(func: Operation, kernels: Mapping[str, Operation]) -> list[dict[str, Any]]:
+    """Every launch one call of `func` makes, in execution order: the kernel (its CUDA function; `gemm` for
+    cuBLASLt), its grid and block (a GEMM's m, n, k and batch instead), shared memory, the shape and dtype of
+    what it writes, and the model path of its region."""
+    out: list[dict[str, Any]] = []
+    for op in func.body.ops:
+        path = op.attributes.get("path") or None
+        if op.name == "kern.gemm":
+            m, n, k = gemm_dims(op)
+            result = op.results[0].type
+            out.append({"kernel": "gemm", "symbol": None, "grid": None, "block": None, "shared": 0,
+                        "gemm": {"m": m, "n": n, "k": k, "batch": op.attributes["batch"],
+                                 "transpose_a": op.attributes["transpose_a"], "transpose_b": op.attributes["transpose_b"],
+                                 "epilogue": op.attributes["epilogue"]},
+                        "shape": list(result.shape), "dtype": result.dtype, "path": path})
+        elif op.name == "kern.launch":
+            attrs = kernels[op.attributes["kernel"].name].attributes
+            result = op.results[0].type
+            out.append({"kernel": attrs["function"], "symbol": attrs["sym_name"], "grid": list(attrs["grid"]),
+                        "block": list(attrs["block"]), "shared": attrs["shared"], "gemm": None,
+                        "shape": list(result.shape), "dtype": result.dtype, "path": path})
+    return out
+
+
+# -- run-wide lines -----------------------------------------------------------------------------
+
+
+def _memory(lowering: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    largest = max(rows, key=lambda r: r["arena_bytes"], default=None)
+    return {
+        "persistent_bytes": lowering.get("persistent_bytes", 0),
+        "largest_arena": {"row": largest["name"], "bytes": largest["arena_bytes"]} if largest else None,
+        "total_bytes": None,
+        "free_bytes": None,
+    }
+
+
+def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
+    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
+    per_rank = max(1, microbatches // ranks)
+    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]
