@@ -119,12 +119,14 @@ class Binding:
 class CudaExecutable:
     """A `graph.func` lowered for the device (see the module docstring)."""
 
-    def __init__(self, executor: CudaExecutor, plan: GraphPlan, module: LoadedModule) -> None:
+    def __init__(self, executor: CudaExecutor, plan: GraphPlan, module: LoadedModule, title: str) -> None:
         self.executor = executor
         self.runtime = executor.runtime
         self.plan = plan
         self.module = module
         self.name = plan.name
+        #: The lowering report's row this graph counts in (`sexpgpu.report.graph_title`).
+        self.title = title
         self.inputs = [InputSpec(name, role, t) for name, role, t in plan.input_types()]
         self._kernels = {step.function: module.function(step.function)
                          for step in plan.steps if isinstance(step, LaunchStep)}

@@ -18,7 +18,9 @@ with a graph (docs/cuda.md, "Running on the device"):
   pinned staging buffers (`PinnedStaging`), so the host copies a batch while
   the device still runs what came before.
 - `stacking` chooses how many microbatches one `train_stacked` call runs.
-- `lowering_report()` is the lowering report of the experiment's graphs.
+- `lowering_report()` is the lowering report of the experiment's graphs: the lowering document
+  (`passes/lowering_report.py`) of what this executor lowered, the chosen `train stacked` row and the
+  device's facts, rendered by `sexpgpu.report.render_lowering` (the renderer `explain` uses).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ from ...dialects.core import Operation
 from ...dialects.graph import graph_funcs
 from ...dialects.parser import parse_module
 from ...dialects.printer import print_module, print_op
-from ...passes.manager import CompilationUnit, run_pipeline
-from ...passes.pipelines import CUDA_LOWERING
+from ...passes.lowering_report import lowering_document
+from ...passes.manager import CompilationUnit
+from ...report import DeviceFacts, apply_device, graph_title, render_lowering
 from ..executor import DeviceArray, Executable, Executor
-from .errors import KernelCompileError
-from .executable import CAPTURE_AFTER_CALLS, CAPTURE_MIN_KERNELS, CudaExecutable
+from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
+from .lowering import compile_facts, compile_lowered, lower, module_source
 from .memory import ActivationArena, CudaArray, DevicePool
+from .nvrtc import Cubin
 from .runtime import DeviceRuntime, DeviceScalars, KernelSource, LoadedModule, PinnedStaging
 from .selection import open_runtime
 
@@ -70,10 +74,12 @@ def capture_setting() -> bool:
 class LoweredModule:
     """A module after the CUDA lowering: its graphs by name, its facts, its kernels loaded on the device."""
 
-    def __init__(self, module: Operation, facts: dict[str, Any], loaded: LoadedModule) -> None:
+    def __init__(self, module: Operation, facts: dict[str, Any], loaded: LoadedModule, cubin: Cubin | None) -> None:
         self.module = module
         self.facts = facts
         self.loaded = loaded
+        #: NVRTC's CUBIN of the module's kernels (None on cuda-sim, which compiles the source with g++).
+        self.cubin = cubin
         self.graphs = {str(f.attributes["sym_name"]): f for f in graph_funcs(module)}
 
 
@@ -117,7 +123,9 @@ class CudaExecutor(Executor):
         if lowered is None or name not in lowered.graphs:
             # Alone: the driver's own graphs, and update graphs the lowering merged into their group's.
             lowered = self._lower(parse_module(print_op(func), f"<{name}>"), name)
-        executable = CudaExecutable(self, GraphPlan(lowered.graphs[name]), lowered.loaded)
+        # The report's row of a driver's graph is that of the graph it stands for (a flat clip, a group's update).
+        title = graph_title(func).removesuffix("/flat")
+        executable = CudaExecutable(self, GraphPlan(lowered.graphs[name]), lowered.loaded, title)
         self.executables.append(executable)
         return executable
 
@@ -133,18 +141,12 @@ class CudaExecutor(Executor):
 
     def _lower(self, module: Operation, name: str) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it) and load its kernels on the device."""
-        unit = run_pipeline(CompilationUnit(module=module), CUDA_LOWERING)
-        source = next(op for op in module.body.ops if op.name == "kern.source").attributes["text"]
+        unit = lower(CompilationUnit(module=module))
         cubin = None
         if self.runtime.device.driver != "cuda-sim":
-            from .nvrtc import compile_cubin
-
-            try:
-                cubin = compile_cubin(source, self.runtime.device.arch, name=_identifier(name))
-            except KernelCompileError as err:
-                raise err.at(_path_of_error(module, source, err.log)) from None
-        loaded = self.runtime.load_module(KernelSource(_identifier(name), source, cubin))
-        return LoweredModule(module, unit.facts.get("lowering", {}), loaded)
+            cubin = compile_lowered(module, self.runtime.device.arch)
+        loaded = self.runtime.load_module(KernelSource(_identifier(name), module_source(module), cubin))
+        return LoweredModule(module, unit.facts, loaded, cubin)
 
     def activations(self, executable: CudaExecutable):
         """The activation arena, large enough for every graph compiled so far."""
@@ -235,47 +237,63 @@ class CudaExecutor(Executor):
         return chosen
 
     def lowering_report(self) -> str | None:
-        """The lowering report of the experiment's graphs on this device (docs/cuda.md)."""
-        from .lowering_report import lowering_report
+        """The lowering report of the experiment's graphs on this device (`sexpgpu.report.render_lowering`),
+        None before any was compiled."""
+        if self.experiment is None:
+            return None
+        return render_lowering(self.lowering_document()).rstrip("\n")
 
-        return lowering_report(self)
-
-    def report_facts(self) -> dict[str, Any]:
-        """The lowering facts of the experiment's graphs (and the stacked ones, after `train_accumulating`),
-        with each graph's kind (`kinds`), for the lowering report."""
+    def lowering_document(self) -> dict[str, Any]:
+        """The lowering document (`passes.lowering_report`) of the experiment's graphs as this executor lowered
+        them, with the chosen `train stacked` row, and what the opened device tells."""
         assert self.experiment is not None
-        facts = self.experiment.facts
-        graphs: dict[str, Any] = {}
-        patterns = dict(facts.get("patterns", {}))
-        kinds = {name: func.attributes.get("kind") for name, func in self.experiment.graphs.items()}
-        stacked = self.stacked_lowering
-        for name, row in facts.get("graphs", {}).items():
-            graphs[name] = row
-            if name == ("train_accumulating" if "train_accumulating" in facts.get("graphs", {}) else "train") \
-                    and stacked is not None:
-                graphs.update(stacked.facts.get("graphs", {}))
-                patterns.update(stacked.facts.get("patterns", {}))
-                kinds.update({n: f.attributes.get("kind") for n, f in stacked.graphs.items()})
-        return {**facts, "graphs": graphs, "patterns": patterns, "kinds": kinds}
+        arch = self.runtime.device.arch
+        compiled = None
+        if self.experiment.cubin is not None:
+            compiled = compile_facts(self.experiment.module, self.experiment.cubin, arch)
+        document = lowering_document(self.experiment.module, self.experiment.facts, arch, self.device,
+                                     compiled=compiled, launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
+        if self.stacked_lowering is not None:
+            _add_stacked_rows(document, self.experiment.module, self.stacked_lowering, arch, self.device)
+        document["stacking"]["planned"] = self.stacked[0] if self.stacked is not None else None
+        return apply_device(document, self.device_facts())
 
-    def device_facts(self) -> dict[str, Any]:
-        """What only the opened device can tell the lowering report: its name, memory, capture, stacking."""
+    def device_facts(self) -> DeviceFacts:
+        """What only the opened device tells the report: its name, memory, the stacking chosen, the graphs
+        captured once warm (by the symbols of the experiment's graphs they run)."""
         info = self.runtime.device
         free, total = self.runtime.memory_info()
-        facts: dict[str, Any] = {
-            "device": self.device, "name": info.name, "arch": info.arch, "driver": info.driver,
-            "memory": {"total": total, "free": free, "pool": self.pool.allocated,
-                       "activations": max((e.arena_need for e in self.executables), default=0)},
-            "capture": {"available": self.capture_off is None, "reason": self.capture_off,
-                        "min_kernels": CAPTURE_MIN_KERNELS, "after_calls": CAPTURE_AFTER_CALLS,
-                        "graphs": sorted({e.name for e in self.executables if e.captures})},
-        }
-        if self.stacked is not None:
-            facts["stacking"] = {"chosen": self.stacked[0], "candidates": self.stacked[1]}
-        return facts
+        titles = {e.title for e in self.executables if e.captures}
+        modules = [m for m in (self.experiment, self.stacked_lowering) if m is not None]
+        captured = frozenset(name for m in modules for name, func in m.graphs.items() if graph_title(func) in titles)
+        return DeviceFacts(name=info.name, total_memory=total, free_memory=free,
+                           stacking=self.stacked[0] if self.stacked is not None else None,
+                           captured=captured, capture_off=self.capture_off)
 
     def synchronize(self) -> None:
         self.runtime.synchronize()
+
+
+def _add_stacked_rows(document: dict[str, Any], experiment: Operation, stacked: LoweredModule, arch: str,
+                      device: str) -> None:
+    """Put the `train stacked` row of the stacked graphs' lowering into the experiment's document, in its
+    kind's place. The row is that of `train_stacked` (`train_stacked_accumulating` launches the same
+    kernels, adding into the gradients so far), read from a copy holding the experiment's run."""
+    copy = parse_module(print_module(stacked.module), "<stacked>")
+    for func in graph_funcs(copy):
+        if func.attributes["sym_name"] != "train_stacked":
+            func.erase()
+    run = next(op for op in experiment.body.ops if op.name == "exp.run")
+    holder = parse_module(print_op(run), "<run>")
+    run_copy = next(op for op in holder.body.ops if op.name == "exp.run")
+    holder.body.detach(run_copy)
+    copy.body.append(run_copy)
+    rows = lowering_document(copy, stacked.facts, arch, device)["rows"]
+    order = [row["name"] for row in document["rows"]]
+    place = order.index("train accumulating") + 1 if "train accumulating" in order else 1
+    document["rows"][place:place] = [row for row in rows if row["kind"] == "train_stacked"]
+    largest = max(document["rows"], key=lambda row: row["arena_bytes"])
+    document["memory"]["largest_arena"] = {"row": largest["name"], "bytes": largest["arena_bytes"]}
 
 
 def _module_of(func: Operation) -> Operation | None:
@@ -304,23 +322,6 @@ def _ir_dtype(dtype: np.dtype) -> str:
         if np.dtype(scalar) == dtype:
             return name
     raise ValueError(f"the CUDA executor stores no {dtype} arrays")
-
-
-def _path_of_error(module: Operation, source: str, log: str) -> str:
-    """The model path of the kernel whose code the compiler's first error points into ("" if none)."""
-    found = re.search(r"\.cu\((\d+)\)|\.cu:(\d+):", log)
-    if not found:
-        return ""
-    line = int(found.group(1) or found.group(2))
-    functions = [(source.count("\n", 0, m.start()) + 1, m.group(1))
-                 for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)', source)]
-    before = [name for start, name in functions if start <= line]
-    if not before:
-        return ""
-    for op in module.body.ops:
-        if op.name == "kern.kernel" and op.attributes.get("function") == before[-1]:
-            return str(op.attributes.get("path", ""))
-    return ""
 
 
 def open_cuda_executor(device: str, **options: Any) -> CudaExecutor:
