@@ -107,7 +107,8 @@ class CompiledGraph:
         for kind, name, register in self._emits:
             # A copy: the register's buffer may be reused by the next call, and a driver may read a
             # step's emitted values after its later calls.
-            getattr(result, kind)[name] = np.array(regs[register])
+            value = regs[register]
+            getattr(result, kind)[name] = np.array(value) if isinstance(value, np.ndarray) else value
         return result
 
     def profile(self, inputs: Mapping[str, Any],
