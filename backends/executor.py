@@ -53,7 +53,8 @@ class ExecutionResult(Protocol):
 
     #: By the names of `graph.return`: the executor's arrays (the caller's, where `out` named one).
     outputs: dict[str, DeviceArray]
-    #: `graph.metric` values by name, on the host (anything `float()` takes).
+    #: `graph.metric` values by name, on the host (anything `float()` takes). Emitted values stay
+    #: valid after later calls, so a driver may read them at the end of a step (one wait for a device).
     metrics: dict[str, Any]
     #: `graph.counter` values by name, as host numpy arrays.
     counters: dict[str, np.ndarray]
@@ -116,6 +117,30 @@ class Executor(ABC):
     def view(self, flat: DeviceArray, offset: int, shape: Sequence[int]) -> DeviceArray:
         """The elements `offset`, `offset + 1`, ... of the 1-D array `flat` as an array of `shape`,
         sharing `flat`'s storage: what a graph writes there, `flat` holds."""
+
+    # What follows has a default in terms of the methods above; a device overrides what it does better.
+
+    def write(self, target: DeviceArray, host: np.ndarray) -> None:
+        """Write a host array's values into `target` (same shape; converted to its dtype). The driver
+        writes each batch into the same arrays every step, so a device's graphs read fixed addresses;
+        `host` may change as soon as this returns."""
+        self.copy(self.upload(host), target)
+
+    def scalar(self, dtype: str) -> DeviceArray:
+        """A rank-0 array the driver sets with `write` every step (the step number update graphs read):
+        on a GPU, a device scalar a captured graph reads at a fixed address."""
+        return self.zeros((), dtype)
+
+    def stacking(self, microbatches: int, build: Callable[[int], Operation]) -> int:
+        """How many microbatches one call of `train_stacked` runs here: a divisor of `microbatches`.
+        `build(k)` makes the `train_stacked` graph for k (the largest that fits a device's memory is
+        chosen). 1, the default, keeps one call per microbatch."""
+        return 1
+
+    def lowering_report(self) -> str | None:
+        """What the device made of the graphs compiled so far, for `run` to print before its first step
+        (the lowering report, docs/cuda.md); None where nothing is lowered (the interpreter)."""
+        return None
 
 
 class ExecutorUnavailable(SxError):

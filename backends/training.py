@@ -10,7 +10,9 @@ One step of a run:
 
 1. `microbatches` batches from the run's loader: the first through `train`
    (or `train_diagnosed` on a diagnostic step), the rest through
-   `train_accumulating`, which adds into the gradients so far; the summed
+   `train_accumulating`, which adds into the gradients so far — or, where the
+   executor stacks k of them (`Executor.stacking`), k at a time through
+   `train_stacked` and then `train_stacked_accumulating`; the summed
    gradients are then divided by the number of microbatches, so the step's
    gradient is that of the mean loss;
 2. the clip graphs, if any, then one update graph per parameter (param, grad,
@@ -19,6 +21,11 @@ One step of a run:
    event; evaluations whose cadence divides the step (and the last step) run
    over their whole loader; diagnostics whose cadence divides the step reduce
    their tensors; checkpoints at their cadence and at the end.
+
+Every graph is called before any result of the step is read: each batch is
+written into the same executor arrays (`Executor.write`), every gradient into
+the same output arrays, and the step's losses and metrics are read once at
+its end, so a device runs the step while the host prepares the next batch.
 
 Everything is fixed by the run seed: the initial parameters, the loaders'
 draws (keyed by position) and the graphs. Two runs, or a run and its resumed
@@ -38,6 +45,7 @@ import hashlib
 import math
 import re
 import signal
+import sys
 import threading
 import time
 from datetime import datetime
@@ -51,8 +59,11 @@ from ..devices import open_device
 from ..diagnostics import SxError, display_path, source_digest
 from ..dialects.core import Operation, TensorType
 from ..dialects.inits import initial_params
+from ..dialects.parser import parse_module
+from ..dialects.printer import print_op
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
+from ..passes.variants import build_stacked
 from ..version import __version__
 from .checkpoint import (
     TensorSpec,
@@ -216,6 +227,7 @@ class Trainer:
         self._check_vocabularies()
         self._allocate()
         self._compile_gradient_graphs()
+        self._choose_stacking()
         self.start_step = 0
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -291,6 +303,15 @@ class Trainer:
                 self.flat_grad_views[f"grad/{path}"] = ex.view(self.flat_grads, start, shapes[path])
             else:
                 self.params[path] = ex.upload(value)
+        #: The arrays every train graph writes its gradients into (views of the flat array, or one each).
+        self.grad_out: dict[str, DeviceArray] = dict(self.flat_grad_views)
+        for path in shapes:
+            if path not in self.flat_bounds:
+                self.grad_out[f"grad/{path}"] = ex.zeros(shapes[path], "f32")
+        #: (input name, shape, dtype) → the array each batch field is written into.
+        self.batch_arrays: dict[tuple[str, tuple[int, ...], str], DeviceArray] = {}
+        #: The step number update graphs read, written before each step's updates.
+        self.step_input = ex.scalar("f32")
         #: param path → (its group's flat state arrays, the group's start in the flat arrays)
         flat_states: dict[str, tuple[dict[str, DeviceArray], int]] = {}
         #: per flat group: (its update graph, its inputs but the step, its outputs: the same arrays)
@@ -339,6 +360,37 @@ class Trainer:
             if self.flat_bounds:
                 types[_FLAT_GRADS] = TensorType((self.flat_numel,), "f32")
             self.scale = self.executor.compile(scaling_graph(types, 1.0 / plan.microbatches, plan.run_op.loc))
+
+    def _choose_stacking(self) -> None:
+        """How many microbatches one call runs (the executor's choice; 1 on the CPU), and the stacked
+        graphs when more than one."""
+        self.stack = 1
+        self.train_stacked: Executable | None = None
+        self.train_stacked_accumulating: Executable | None = None
+        if self.plan.microbatches == 1:
+            return
+        built: dict[int, Operation] = {}
+
+        def build(k: int) -> Operation:
+            # In a module of their own: the plan's module (its fingerprint) stays as compiled.
+            module = parse_module(print_op(self.plan.graph("train")), "<stacked>")
+            train = next(op for op in module.body.ops if op.name == "graph.func")
+            stacked = build_stacked(module, train, k)
+            if k < self.plan.microbatches:
+                build_stacked(module, train, k, accumulating=True)
+            train.erase()
+            built[k] = stacked
+            return stacked
+
+        self.stack = self.executor.stacking(self.plan.microbatches, build)
+        if self.stack > 1:
+            stacked = built[self.stack]
+            self.train_stacked = self.executor.compile(stacked)
+            if self.stack < self.plan.microbatches:
+                module = stacked.parent.parent.parent
+                accumulating = next(op for op in module.body.ops if op.name == "graph.func"
+                                    and op.attributes["sym_name"] == "train_stacked_accumulating")
+                self.train_stacked_accumulating = self.executor.compile(accumulating)
 
     def _check_vocabularies(self) -> None:
         bounds: dict[str, dict[str, int]] = {}
@@ -402,13 +454,18 @@ class Trainer:
 
     def _inputs(self, graph: Executable, batch: dict[str, np.ndarray],
                 grads: dict[str, DeviceArray] | None = None) -> dict[str, DeviceArray]:
-        """A graph's inputs: the parameters, the batch's fields (uploaded) and, given, the gradients."""
+        """A graph's inputs: the parameters, the batch's fields (written into the executor's arrays
+        for them, the same every call) and, given, the gradients."""
         inputs: dict[str, DeviceArray] = {}
         for spec in graph.inputs:
             if spec.role == "param":
                 inputs[spec.name] = self.params[spec.name]
             elif spec.role == "batch":
-                inputs[spec.name] = self.executor.upload(batch[spec.name])
+                key = (spec.name, tuple(spec.type.shape), spec.type.dtype)
+                if key not in self.batch_arrays:
+                    self.batch_arrays[key] = self.executor.zeros(spec.type.shape, spec.type.dtype)
+                self.executor.write(self.batch_arrays[key], batch[spec.name])
+                inputs[spec.name] = self.batch_arrays[key]
             elif spec.role == "grad" and grads is not None:
                 # `train_accumulating` names its gradient inputs like the outputs they continue.
                 inputs[spec.name] = grads[spec.name]
@@ -422,50 +479,69 @@ class Trainer:
             return self.train_accumulating
         return self.train
 
+    def _calls(self, diagnosed: bool) -> list[tuple[Executable, int]]:
+        """The graph calls of one step, each with how many microbatches it takes. A diagnostic step
+        runs one microbatch a call (the diagnosed graph is one microbatch's)."""
+        if self.stack > 1 and not (diagnosed and self.train_diagnosed is not None):
+            assert self.train_stacked is not None
+            count = self.plan.microbatches // self.stack
+            return [(self.train_stacked if index == 0 else self.train_stacked_accumulating, self.stack)
+                    for index in range(count)]
+        return [(self._microbatch_graph(index, diagnosed), 1) for index in range(self.plan.microbatches)]
+
+    def _next_batches(self, count: int) -> dict[str, np.ndarray]:
+        """The loader's next batch, or its next `count` stacked along a new first axis."""
+        if count == 1:
+            return self.train_loader.next_batch()
+        batches = [self.train_loader.next_batch() for _ in range(count)]
+        return {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
+
     def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, int | float], dict[str, np.ndarray]]:
         """One optimizer step; returns the loss, metrics, counters and the observations."""
         ex = self.executor
         diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.plan.diagnostic_ops)
-        grads: dict[str, DeviceArray] | None = None
-        loss_sum = 0.0
-        metric_sums: dict[str, float] = {}
-        counter_sums: dict[str, int | float] = {}
-        observed: dict[str, np.ndarray] = {}
-        for index in range(self.plan.microbatches):
-            graph = self._microbatch_graph(index, diagnosed)
-            # The gradients of the flat groups go straight into the flat gradient array.
-            result = graph(self._inputs(graph, self.train_loader.next_batch(), grads), self.flat_grad_views)
-            loss_sum += float(ex.download(result.outputs["loss"]))
-            grads = {name: value for name, value in result.outputs.items() if name.startswith("grad/")}
-            for name, value in result.metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
-            for name, value in result.counters.items():
-                counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
-            observed.update(result.observed)
-        assert grads is not None
+        calls: list[tuple[Any, int]] = []
+        for index, (graph, count) in enumerate(self._calls(diagnosed)):
+            # Every gradient goes into the same arrays; after the first call they are also its inputs.
+            grads = self.grad_out if index > 0 else None
+            result = graph(self._inputs(graph, self._next_batches(count), grads), self.grad_out)
+            calls.append((result, count))
         if self.scale is not None:
             # One multiply over the flat gradient array and one per gradient outside it, in place.
-            summed = {f"grad/{path}": grads[f"grad/{path}"] for path in self.lone_params}
+            summed = {f"grad/{path}": self.grad_out[f"grad/{path}"] for path in self.lone_params}
             if self.flat_bounds:
                 summed[_FLAT_GRADS] = self.flat_grads
             self.scale(summed, summed)
         for clip, span in self.clips:
-            clipping = {"grad": span} if span is not None else {spec.name: grads[spec.name] for spec in clip.inputs}
+            clipping = {"grad": span} if span is not None else {spec.name: self.grad_out[spec.name]
+                                                                for spec in clip.inputs}
             # In place: the clipped gradients are written over the gradients.
             clip(clipping, clipping)
-        step_input = ex.upload(np.asarray(step, dtype=np.float32))
+        ex.write(self.step_input, np.asarray(step, dtype=np.float32))
         for update, arrays, written in self.flat_updates:
             # In place: the new parameters and states are written over the old.
-            update({**arrays, "step": step_input}, written)
+            update({**arrays, "step": self.step_input}, written)
         for path in self.lone_params:
             update, states = self.updates[path]
-            inputs = {"param": self.params[path], "grad": grads[f"grad/{path}"], "step": step_input}
+            inputs = {"param": self.params[path], "grad": self.grad_out[f"grad/{path}"], "step": self.step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
             # In place: the parameter and state buffers live for the whole run.
             update(inputs, {name: inputs[name] for name in ("param", *states)})
-        count = self.plan.microbatches
-        metrics = {name: total / count for name, total in metric_sums.items()}
-        return loss_sum / count, metrics, counter_sums, observed
+        # The step's values, read once every call is made (a device runs them meanwhile).
+        loss_sum = 0.0
+        metric_sums: dict[str, float] = {}
+        counter_sums: dict[str, int | float] = {}
+        observed: dict[str, np.ndarray] = {}
+        for result, count in calls:
+            loss_sum += count * float(ex.download(result.outputs["loss"]))
+            for name, value in result.metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + count * float(value)
+            for name, value in result.counters.items():
+                counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
+            observed.update(result.observed)
+        total = self.plan.microbatches
+        metrics = {name: value / total for name, value in metric_sums.items()}
+        return loss_sum / total, metrics, counter_sums, observed
 
     def evaluate(self, op: Any, graph: Executable) -> tuple[dict[str, float], int]:
         loader = self.loaders[str(op.attributes["loader"])]
@@ -540,6 +616,11 @@ class Trainer:
             },
             parameters=plan.parameter_count,
         )
+        report = self.executor.lowering_report()
+        if report is not None:
+            # Before the first step, on standard error (what the device made of the graphs), and in the log.
+            print(report, file=sys.stderr, flush=True)
+            events.write("lowering", text=report)
         unit, per_step = self.counted()
         reporter = ProgressReporter(plan.steps, self.start_step, self.reporter_stream, self.interactive,
                                     unit="tok" if unit == "tokens" else "rec")

@@ -167,8 +167,13 @@ class Stack(Pass):
         build_stacked(module, train_graph(module, needs_grads=True), self.k)
 
 
-def build_stacked(module: Operation, train: Operation, k: int) -> Operation:
-    func = new_graph(module, train, "train_stacked", **{**train.attributes, "kind": "train_stacked", "k": k})
+def build_stacked(module: Operation, train: Operation, k: int, accumulating: bool = False) -> Operation:
+    """`@train_stacked` for k microbatches; with `accumulating`, `@train_stacked_accumulating` (kind
+    `train_stacked`, `accumulating = true`), which adds the k gradients into `grad/<path>` inputs as
+    `@train_accumulating` does: what a device runs for the second and later k microbatches of a step."""
+    name = "train_stacked_accumulating" if accumulating else "train_stacked"
+    extra = {"accumulating": True} if accumulating else {}
+    func = new_graph(module, train, name, **{**train.attributes, "kind": "train_stacked", "k": k, **extra})
     builder = Builder(func.body)
     shared: dict[Value, Value] = {}
     stacked: dict[Value, Value] = {}
@@ -204,6 +209,8 @@ def build_stacked(module: Operation, train: Operation, k: int) -> Operation:
         if kind != "graph.observe":
             builder.create(kind, [_combine(builder, copies, averaged=kind == "graph.metric")], {"name": name})
     builder.create("graph.return", results, dict(ret.attributes), loc=ret.loc)
+    if accumulating:
+        add_previous_gradients(func)
     return func
 
 

@@ -8,8 +8,9 @@ from typing import Any
 from .backends.executor import Executor, open_executor, unavailable_reason
 from .diagnostics import SxError, UsageError
 
-#: What `--device` accepts; whether this build and machine can open one is the executor registry's answer.
-DEVICES = ("cpu", "cuda")
+#: What `--device` accepts (`cuda-sim`: the simulated CUDA device, for tests); whether this build and
+#: machine can open one is the executor registry's answer.
+DEVICES = ("cpu", "cuda", "cuda-sim")
 
 
 def default_device() -> str:
@@ -27,7 +28,7 @@ def require_available(device: str, verb: str) -> None:
     """A usage error for an unknown device; a user error, with the registry's reason, for one that
     this build has no executor for or that cannot open on this machine."""
     if device not in DEVICES:
-        raise UsageError(f"--device must be {' or '.join(DEVICES)}, not {device}")
+        raise UsageError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, not {device}")
     _register_builtin_executors()
     reason = unavailable_reason(device)
     if reason is not None:

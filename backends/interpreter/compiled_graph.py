@@ -105,7 +105,10 @@ class CompiledGraph:
             else:
                 result.outputs[name] = np.array(value) if copy else np.asarray(value)
         for kind, name, register in self._emits:
-            getattr(result, kind)[name] = regs[register]
+            # A copy: the register's buffer may be reused by the next call, and a driver may read a
+            # step's emitted values after its later calls.
+            value = regs[register]
+            getattr(result, kind)[name] = np.array(value) if isinstance(value, np.ndarray) else value
         return result
 
     def profile(self, inputs: Mapping[str, Any],

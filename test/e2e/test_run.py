@@ -21,6 +21,7 @@ import jsonschema
 import numpy as np
 import pytest
 from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
+from sexpgpu.backends.cuda.selection import runtime_unavailable
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
 
@@ -248,10 +249,16 @@ def test_resume_refuses_a_damaged_checkpoint_and_changes_nothing(baseline, tmp_p
     assert sorted(str(p.relative_to(record)) for p in record.rglob("*")) == listing
 
 
-def test_cuda_is_not_in_this_build(tmp_path):
+def test_cuda_without_a_gpu_is_one_line_and_exit_1(tmp_path):
+    """No CUDA driver or GPU (CI has none): the registry's probe says so, before any work."""
+    if runtime_unavailable("cuda") is None:
+        pytest.skip("this machine has a CUDA GPU")
     result = run_cli("run", str(EXAMPLE), "--device", "cuda", "--out", str(tmp_path / "out"), check=False)
     assert result.returncode == 1
-    assert "the CUDA executor is not available in this build" in result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: the CUDA executor cannot open here: ")
+    assert line.endswith("so run --device cuda cannot run; use --device cpu (or unset SEXPGPU_DEVICE)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_plot_writes_a_png(baseline, tmp_path):

@@ -25,6 +25,12 @@ config.substitutions.append(("%python", sys.executable))
 if importlib.util.find_spec("matplotlib") is not None:
     config.available_features.add("matplotlib")
 
+# `UNSUPPORTED: cuda-gpu` for the tests of what `--device cuda` says on a machine without a CUDA GPU.
+from sexpgpu.backends.cuda.selection import runtime_unavailable  # noqa: E402
+
+if runtime_unavailable("cuda") is None:
+    config.available_features.add("cuda-gpu")
+
 # One kernel and lowering cache for the whole suite (`explain --device cuda --target` tests): a file the
 # suite lowered once is read back by every later RUN line that lowers it the same way.
 config.environment["SEXPGPU_CACHE"] = os.environ.get("SEXPGPU_LIT_CACHE") or os.path.join(

@@ -67,6 +67,7 @@ def test_unregistered_and_unprobed_devices_say_why_they_cannot_open(registry):
 def test_the_cuda_refusal_is_the_registry_answer(registry, monkeypatch):
     """No executor registered for cuda: the refusal; one registered whose probe fails: the probe's
     line; one whose probe passes: no refusal (nothing in devices.py refuses cuda by itself)."""
+    del executor_registry._EXECUTORS["cuda"]  # as in a build without backends/cuda
     with pytest.raises(SxError) as refused:
         require_available("cuda", "run")
     assert refused.value.message == ("the CUDA executor is not available in this build, so run --device cuda "
@@ -82,7 +83,7 @@ def test_the_cuda_refusal_is_the_registry_answer(registry, monkeypatch):
 
 
 def test_an_unknown_device_is_a_usage_error():
-    with pytest.raises(UsageError, match="--device must be cpu or cuda, not tpu"):
+    with pytest.raises(UsageError, match="--device must be cpu, cuda or cuda-sim, not tpu"):
         require_available("tpu", "run")
 
 
