@@ -38,16 +38,17 @@ EXPERIMENT = """
 """
 
 
-def diagnostics(tmp_path: Path, name: str, microbatches: int, batch: int) -> list[dict]:
+def diagnostics(tmp_path: Path, name: str, microbatches: int, batch: int, device: str = "cpu") -> list[dict]:
     source = tmp_path / "grads.sx"
     source.write_text(EXPERIMENT)
     out = tmp_path / name
-    sexpgpu.train(str(source), set={"microbatches": microbatches, "batch": batch}, out=str(out))
+    sexpgpu.train(str(source), set={"microbatches": microbatches, "batch": batch}, out=str(out), device=device)
     return [e for e in read_events(out / "events.jsonl") if e["type"] == "diagnostic"]
 
 
-def test_gradient_diagnostics_reduce_the_whole_step(tmp_path: Path) -> None:
-    accumulated = diagnostics(tmp_path, "four", microbatches=4, batch=2)
+@pytest.mark.parametrize("device", ["cpu", "cuda-sim"])
+def test_gradient_diagnostics_reduce_the_whole_step(tmp_path: Path, device: str) -> None:
+    accumulated = diagnostics(tmp_path, "four", microbatches=4, batch=2, device=device)
     whole = diagnostics(tmp_path, "one", microbatches=1, batch=8)
     first_only = diagnostics(tmp_path, "first", microbatches=1, batch=2)
     assert [(e["step"], e["name"]) for e in accumulated] == [(e["step"], e["name"]) for e in whole]
