@@ -279,8 +279,9 @@ class _Launch:
                                        {"kernel": SymbolRef(symbol), "path": plan.path},
                                        [types[n] for n in writes], match.slice[0].loc, anchor)
             values.update(zip(writes, launch.results))
+        copies = self.recompute(plan.recomputed, anchor)
         for value in plan.recomputed:
-            self.rewriter.replace_all_uses_with(value, self.recompute(value, anchor))
+            self.rewriter.replace_all_uses_with(value, copies[value])
         results = {name: values[name] for name in output_names}
         self.owner.outputs[match] = results
         for name, result in results.items():
@@ -294,17 +295,22 @@ class _Launch:
         """The model path the ops made for the launch carry (none for a region outside the model)."""
         return {"path": self.plan.path} if self.plan.path else {}
 
-    def recompute(self, value: Value, anchor: Operation) -> Value:
-        """A copy of the ops computing `value` from the kernel's inputs, for the readers outside the region."""
+    def recompute(self, values: list[Value], anchor: Operation) -> dict[Value, Value]:
+        """Copies of the ops computing `values` from the kernel's inputs (each op once, before any value is
+        replaced), for the readers outside the region: each value's copy, by value."""
+        needed: set[Operation] = set()
+        for value in values:
+            ops = recomputable(self.plan.match, value, self.owner.current)
+            assert ops is not None
+            needed.update(ops)
         copies: dict[Value, Value] = {}
-        ops = recomputable(self.plan.match, value)
-        assert ops is not None
-        for op in ops:
-            operands = [copies.get(v, self.owner.current(v)) for v in op.operands]
-            copy = self.owner.create(self.rewriter, op.name, operands, dict(op.attributes),
-                                     [r.type for r in op.results], op.loc, anchor)
-            copies[op.result] = copy.result
-        return copies[value]
+        for op in self.plan.match.slice:
+            if op in needed:
+                operands = [copies.get(v, self.owner.current(v)) for v in op.operands]
+                copy = self.owner.create(self.rewriter, op.name, operands, dict(op.attributes),
+                                         [r.type for r in op.results], op.loc, anchor)
+                copies[op.result] = copy.result
+        return copies
 
     def source(self, name: str) -> Value:
         """The graph value a kernel input reads: the match's own, its forward's, or the forward's kernel output."""

@@ -34,7 +34,7 @@ made to a fixpoint.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from attrs import define, field
@@ -271,7 +271,7 @@ def _doomed(block: Block, removed: set[Operation]) -> set[Operation]:
 def _exposure(plan: Plan, doomed: set[Operation]) -> str | None:
     """Why a value inside the slice (one the kernel does not write) is read by an op that stays, else None.
 
-    A forward's value that is one row reduction of the kernel's inputs is recomputed for its readers instead.
+    A forward's value computed row by row from the kernel's inputs is recomputed for its readers instead.
     """
     match = plan.match
     inside = set(match.slice)
@@ -298,12 +298,18 @@ def _exposure(plan: Plan, doomed: set[Operation]) -> str | None:
     return f"{op.name}{where} is read outside the region ({user.name}) and the kernel does not write it"
 
 
-def recomputable(match: Match, value: Value) -> list[Operation] | None:
-    """The slice ops computing `value` from the forward kernel's inputs and constants when they are one row
-    reduction (with views, broadcasts and the input's precision cast around it), else None."""
+def recomputable(match: Match, value: Value, current: Callable[[Value], Value] = lambda v: v) -> list[Operation] | None:
+    """The slice ops computing `value` from the forward kernel's inputs and constants, row by row (elementwise
+    ops, row reductions, views, broadcasts, precision casts), else None.
+
+    The readers outside get a copy of these ops (rematerialisation, as Inductor's partitioner does for a
+    backward that reads a forward's intermediates): `fuse` puts them in the backward's own kernels, which
+    costs one more pass over the rows and saves the region's kernel. `current` gives the value that has
+    replaced an input, once an earlier region's kernel writes it.
+    """
     if match.direction != "forward":
         return None
-    inputs = set(match.inputs.values())
+    inputs = {current(v) for v in match.inputs.values()} | set(match.inputs.values())
     inside = set(match.slice)
     ops: list[Operation] = []
     stack = [value]
@@ -317,10 +323,8 @@ def recomputable(match: Match, value: Value) -> list[Operation] | None:
         if op not in ops:
             ops.append(op)
             stack.extend(op.operands)
-    classes = [match.region.classes[op].op_class for op in ops]
-    reductions = sum(c is OpClass.REDUCE_ROW for c in classes)
-    moves = (OpClass.REDUCE_ROW, OpClass.VIEW, OpClass.BROADCAST)
-    if reductions != 1 or any(c not in moves and not is_float_cast(op) for op, c in zip(ops, classes)):
+    per_row = (OpClass.ELEMENTWISE, OpClass.REDUCE_ROW, OpClass.VIEW, OpClass.BROADCAST)
+    if any(match.region.classes[op].op_class not in per_row and not is_float_cast(op) for op in ops):
         return None
     return [op for op in match.slice if op in ops]
 

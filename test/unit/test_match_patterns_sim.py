@@ -93,6 +93,14 @@ CASES = [
     case("rmsnorm f32 37x33 divided", "(x [33] f32) (target [33] f32)", 37,
          linear_then(33, 33, "(/ (* x w) (sqrt (+ (/ (sum (* x x) -1 :keep true) 33) 1e-6)))"), TARGET,
          {"rmsnorm", "rmsnorm_backward"}),
+    # The rmsnorm's backward is no family here: it reads the forward's broadcast scale, recomputed from the
+    # rmsnorm kernel's input next to the kernel.
+    case("layernorm then rmsnorm by hand f32 37x33, a backward reading recomputed values",
+         "(x [33] f32) (target [33] f32)", 37,
+         linear_then(33, 33, "(let* ((d (- x (mean x -1 :keep true))) "
+                             "(n (/ d (sqrt (+ (mean (* d d) -1 :keep true) 1e-5))))) "
+                             "(* n (rsqrt (+ (mean (* n n) -1 :keep true) 1e-6))))"),
+         TARGET, {"layernorm", "layernorm_backward", "rmsnorm"}),
     case("cross-entropy f32 3x50257", "(x [8] f32) (t [] i32)", 3, linear_then(8, 50257, "x"), CROSS_ENTROPY,
          {"cross_entropy_forward", "cross_entropy_backward"}),
     case("cross-entropy f32 5x50304 one-hot sum", "(x [8] f32) (t [] i32)", 5, linear_then(8, 50304, "x"),
