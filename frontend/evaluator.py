@@ -1333,13 +1333,20 @@ def _start_deep_thread(target: Callable[[], None], old_limit: int) -> threading.
 
 
 def _join(thread: threading.Thread) -> None:
-    """Wait for `thread`; on Ctrl-C, interrupt it and wait a little for it to stop."""
+    """Wait for `thread`; on Ctrl-C, interrupt it and wait a little for it to stop.
+
+    A thread still running after that is left with the process: it ends at once with Ctrl-C's status,
+    because finalizing the interpreter under a thread deep in its recursion can abort the process.
+    """
     try:
         thread.join()
     except KeyboardInterrupt:
         if thread.ident is not None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
         thread.join(_INTERRUPT_GRACE)
+        if thread.is_alive():
+            os.write(2, b"interrupted\n")
+            os._exit(130)
         raise
 
 

