@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -186,26 +190,62 @@ def test_a_run_resumes_on_the_other_device(runs, tmp_path, origin, device):
     assert_close(values(resumed), {k: v for k, v in values(original).items() if k[1] > 4})
 
 
-def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
-    """`sexpgpu run examples/gpt.sx --variant smoke --device cuda-sim --set steps=3`, narrowed to one
-    small block so the simulator runs it in seconds: four microbatches a step, stacked."""
-    import subprocess
-    import sys
+def sexpgpu_run(arguments: list[str], out: Path, device: str, **environment: str) -> subprocess.CompletedProcess:
+    """`sexpgpu run ARGUMENTS --device DEVICE --out OUT` in a process of its own, environment added."""
+    return subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", *arguments, "--device", device,
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, **environment})
 
-    small = ["--variant", "smoke", "--set", "steps=3", "--set", "layers=1", "--set", "width=32", "--set", "heads=2",
-             "--set", "seq=16"]
+
+#: `sexpgpu run examples/gpt.sx --variant smoke --set steps=3` narrowed to one small block, so the simulator
+#: runs it in seconds: four microbatches a step.
+NARROWED_GPT = ["examples/gpt.sx", "--variant", "smoke", "--set", "steps=3", "--set", "layers=1", "--set", "width=32",
+                "--set", "heads=2", "--set", "seq=16"]
+
+
+@pytest.fixture(scope="module")
+def narrowed_gpt(tmp_path_factory) -> dict[str, tuple[dict, str]]:
+    """The narrowed gpt trained on the CPU and on cuda-sim (the simulator's default memory: stacking 4):
+    by device, its values and what it wrote on standard error."""
+    root = tmp_path_factory.mktemp("narrowed-gpt")
     found = {}
     for device in ("cpu", "cuda-sim"):
-        out = tmp_path / device
-        done = subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", "examples/gpt.sx", *small,
-                               "--device", device, "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                              timeout=300)
+        done = sexpgpu_run(NARROWED_GPT, root / device, device)
         assert done.returncode == 0, done.stderr
-        found[device] = values(read_events(out / "events.jsonl"))
-        if device == "cuda-sim":
-            assert "\n  stacking                  4" in done.stderr and "Traceback" not in done.stderr
-    assert sorted(found["cpu"]) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
-    assert_close(found["cuda-sim"], found["cpu"])
+        found[device] = (values(read_events(root / device / "events.jsonl")), done.stderr)
+    return found
+
+
+def test_the_bundled_gpt_narrowed_stacks_its_four_microbatches_on_cuda_sim(narrowed_gpt):
+    cpu, _ = narrowed_gpt["cpu"]
+    sim, stderr = narrowed_gpt["cuda-sim"]
+    assert "\n  stacking                  4, of 4, 2 or 1" in stderr and "Traceback" not in stderr
+    assert sorted(cpu) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
+    assert_close(sim, cpu)
+
+
+def report_bytes(report: str, pattern: str) -> int:
+    """The size the lowering report prints where `pattern`'s group is (`0.5 MiB`, `96.0 KiB`), in bytes."""
+    number, unit = re.search(pattern, report).group(1).split()
+    return int(float(number) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit])
+
+
+def test_a_device_with_room_for_two_stacked_microbatches_stacks_two_of_four(narrowed_gpt, tmp_path):
+    """`SEXPGPU_SIM_MEMORY` sized from the stacking-4 run's report: the reserve, the persistent arrays and
+    three quarters of the four-microbatch arena (a two-microbatch one needs about half), so `stacking` takes
+    k=2 and a step runs `train_stacked` then `train_stacked_accumulating`."""
+    from sexpgpu.backends.cuda.executor import RESERVED_BYTES
+
+    cpu, _ = narrowed_gpt["cpu"]
+    _, stderr = narrowed_gpt["cuda-sim"]
+    persistent = report_bytes(stderr, r"planned ([0-9.]+ \w+) persistent")
+    stacked_four = report_bytes(stderr, r"arenas up to ([0-9.]+ \w+) \(train stacked\)")
+    memory = RESERVED_BYTES + persistent + stacked_four * 3 // 4
+    done = sexpgpu_run(NARROWED_GPT, tmp_path / "two", "cuda-sim", SEXPGPU_SIM_MEMORY=str(memory))
+    assert done.returncode == 0, done.stderr
+    assert "\n  stacking                  2, of 4, 2 or 1: the largest whose activations fit\n" in done.stderr
+    assert "layernorm 6, softmax 2" in done.stderr  # the train stacked row: two microbatches' norms
+    assert_close(values(read_events(tmp_path / "two" / "events.jsonl")), cpu)
 
 
 def test_every_graph_captured_from_its_second_call_trains_as_eager_launches(runs, tmp_path, monkeypatch):
