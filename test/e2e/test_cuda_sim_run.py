@@ -16,6 +16,7 @@ evaluation is launched eagerly first, must give the same values bit for bit.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import io
 import os
 import re
@@ -27,7 +28,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-from sexpgpu.backends.checkpoint import read_checkpoint
+from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
 
@@ -246,6 +247,39 @@ def test_a_device_with_room_for_two_stacked_microbatches_stacks_two_of_four(narr
     assert "\n  stacking                  2, of 4, 2 or 1: the largest whose activations fit\n" in done.stderr
     assert "layernorm 6, softmax 2" in done.stderr  # the train stacked row: two microbatches' norms
     assert_close(values(read_events(tmp_path / "two" / "events.jsonl")), cpu)
+
+
+def test_out_of_device_memory_names_the_graph_and_leaves_the_last_checkpoint_intact(runs, tmp_path):
+    """A resume on a device too small for any activation arena (the persistent arrays, 86 KiB, fit in
+    128 KiB; the smallest arena, one microbatch's, does not): exit 1 with one line naming the graph and the
+    bytes it needs, and the checkpoint it resumed from; the record ends `failed`, no checkpoint is written,
+    and a resume with enough memory continues from that checkpoint as the original run did."""
+    source, _, _ = runs["source"]
+    out, original, _ = runs["cuda-sim"]
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step-4"
+    shutil.copytree(out / "checkpoints" / "step-4", checkpoint)
+    resume = [str(source), "--resume", str(checkpoint)]
+    failed = sexpgpu_run(resume, run_dir, "cuda-sim", SEXPGPU_SIM_MEMORY="128KiB")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    [error] = [line for line in failed.stderr.splitlines() if "error" in line]
+    match = re.fullmatch(r"error: out of device memory: the activation arena of graph (\w+) needs [0-9.]+ KiB "
+                         r"\((\d+) bytes\), but only [0-9.]+ KiB \((\d+) bytes\) are free on cuda-sim \(.*\); "
+                         r"the last checkpoint, (.*), is intact", error)
+    assert match, error
+    assert match.group(1) in ("train", "train_accumulating", "train_diagnosed", "eval")
+    assert int(match.group(2)) > int(match.group(3))
+    assert Path(match.group(4)) == checkpoint
+    end = read_events(run_dir / "events.jsonl")[-1]
+    assert (end["type"], end["status"], end["step"]) == ("end", "failed", 4)
+    assert end["message"] == error.removeprefix("error: ")
+    assert list_checkpoints(run_dir) == [(4, checkpoint)]
+    assert filecmp.dircmp(checkpoint, out / "checkpoints" / "step-4").diff_files == []
+    read_checkpoint(checkpoint)
+
+    done = sexpgpu_run(resume, run_dir, "cuda-sim")
+    assert done.returncode == 0, done.stderr
+    assert values(read_events(run_dir / "events.jsonl")) == {k: v for k, v in values(original).items() if k[1] > 4}
 
 
 def test_every_graph_captured_from_its_second_call_trains_as_eager_launches(runs, tmp_path, monkeypatch):
