@@ -147,6 +147,12 @@ class ExecutorUnavailable(SxError):
     """A device with no executor in this build, or one whose probe says it cannot open here."""
 
 
+class OutOfDeviceMemory(SxError):
+    """An allocation the device cannot hold (the model or the batch is too large for it): a user error,
+    raised by a device's executor. A training run that fails with it names its last checkpoint, which
+    it leaves intact, so the run can resume from there on a device with more memory."""
+
+
 #: A callable that returns None when the device can open here, else one line saying why not.
 Probe = Callable[[], str | None]
 

@@ -73,7 +73,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .events import EventLog, finite_or_none
-from .executor import DeviceArray, Executable, Executor
+from .executor import DeviceArray, Executable, Executor, OutOfDeviceMemory
 from .flat_updates import flat_clip_graph, flat_update_graph, scaling_graph
 from .loaders import Loader, vocabulary_bounds
 from .memory import check_training_tensors_fit, ran_out
@@ -232,6 +232,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume is not None:
             self._resume(resume)
+        #: The checkpoint the run would resume from now: the last written, else the one it resumed from.
+        self.last_checkpoint = self.resumed_from
         self.reporter_stream = reporter_stream
         self.interactive = interactive
 
@@ -596,6 +598,7 @@ class Trainer:
         download = self.executor.download
         path = write_checkpoint(self.out_dir, step, {name: download(value) for name, value in self.params.items()},
                                 {name: download(value) for name, value in self.states.items()}, self.manifest(step))
+        self.last_checkpoint = path
         events.write("checkpoint", step=step, path=str(path), seconds=time.perf_counter() - started)
         reporter.say(f"checkpoint {display_path(str(path))}")
 
@@ -672,6 +675,9 @@ class Trainer:
                     self.checkpoint(events, reporter, step)
         except BaseException as err:
             reporter.close()
+            if isinstance(err, OutOfDeviceMemory) and self.last_checkpoint is not None:
+                # Nothing of the failed step was written: the run resumes from its last checkpoint.
+                err.message += f"; the last checkpoint, {display_path(str(self.last_checkpoint))}, is intact"
             failure = err.message if isinstance(err, SxError) else f"{type(err).__name__}: {err}"
             with contextlib.suppress(SxError):  # the log may be what failed (a full disk): the first error is the one to report
                 events.write("end", status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",

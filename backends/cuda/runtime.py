@@ -41,6 +41,7 @@ import numpy as np
 from attrs import define, field, frozen
 
 from ...diagnostics import SxError
+from ..executor import OutOfDeviceMemory
 from .sim.device import bf16_bits
 from .sim.source import find_kernels
 
@@ -78,7 +79,7 @@ class DeviceUnavailable(SxError):
         self.reason = reason
 
 
-class DeviceOutOfMemory(SxError):
+class DeviceOutOfMemory(OutOfDeviceMemory):
     """An allocation the device (or an arena) cannot hold: a user error naming what asked for how
     many bytes and how many were free (the model is too large for the device, or the batch)."""
 

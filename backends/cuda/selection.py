@@ -7,18 +7,26 @@
 `SEXPGPU_DEVICES` holds the device id to open (default 0; `cuda-sim` has the one device 0). Several
 ids mean several data-parallel ranks, which a later issue builds; asking for them now is a one-line
 error, as is a device that cannot open (no driver, no GPU, no `cuda` extra, no pycuda).
+
+`SEXPGPU_SIM_MEMORY` sizes the simulated device's memory (`64MiB`, `1.5GiB`, or bytes; default half
+the host's), so a run can be made to meet the memory limits of a GPU; a bad size is a usage error.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
+from ...diagnostics import UsageError
 from .runtime import DeviceRuntime, DeviceUnavailable
 
 DEVICES = ("cuda", "cuda-sim")
 DRIVERS = ("cuda-python", "pycuda")
 DEFAULT_DRIVER = "cuda-python"
+#: The units `SEXPGPU_SIM_MEMORY` takes (binary, as the runtime's messages print them); none is bytes.
+MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+                "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
 def requested_driver(device: str) -> str:
@@ -47,11 +55,26 @@ def requested_device_index(device: str) -> int:
     return index
 
 
+def requested_sim_memory() -> int | None:
+    """The simulated device's memory in bytes as `SEXPGPU_SIM_MEMORY` gives it (None: unset, the
+    simulator's default); a `UsageError` for anything but a positive size."""
+    text = (os.environ.get("SEXPGPU_SIM_MEMORY") or "").strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)", text)
+    unit = MEMORY_UNITS.get(match.group(2).lower()) if match else None
+    nbytes = int(float(match.group(1)) * unit) if match and unit else 0
+    if nbytes <= 0:
+        raise UsageError(f"SEXPGPU_SIM_MEMORY={text} is not a memory size; give a positive number of bytes, or one with KiB, "
+                         "MiB, GiB or TiB (64MiB, 1.5GiB)")
+    return nbytes
+
+
 def open_runtime(device: str = "cuda", **options: Any) -> DeviceRuntime:
     """The runtime of `device` (`cuda` or `cuda-sim`) with the driver and device id the environment
-    names; `options` go to the simulator (`memory_bytes`, `schedule`, `cache_dir`). A device that
-    cannot open raises a one-line user error (`DeviceUnavailable`, or `CudaToolchainMissing` without
-    the `cuda` extra)."""
+    names; `options` go to the simulator (`memory_bytes`, else `SEXPGPU_SIM_MEMORY`'s; `schedule`,
+    `cache_dir`). A device that cannot open raises a one-line user error (`DeviceUnavailable`, or
+    `CudaToolchainMissing` without the `cuda` extra)."""
     if device not in DEVICES:
         raise ValueError(f"no device runtime for {device!r}; the devices are {', '.join(DEVICES)}")
     driver = requested_driver(device)
@@ -59,6 +82,7 @@ def open_runtime(device: str = "cuda", **options: Any) -> DeviceRuntime:
     if driver == "cuda-sim":
         from .driver_sim import SimRuntime
 
+        options.setdefault("memory_bytes", requested_sim_memory())
         return SimRuntime(index, **options)
     if driver == "pycuda":
         from .driver_pycuda import PycudaRuntime
@@ -71,13 +95,15 @@ def open_runtime(device: str = "cuda", **options: Any) -> DeviceRuntime:
 
 def runtime_unavailable(device: str) -> str | None:
     """None when `open_runtime(device)` can open a device here; else why not, in one line (for the
-    executor registry's probe). Opens no context."""
+    executor registry's probe). Opens no context. A bad `SEXPGPU_SIM_MEMORY` is a `UsageError`, so
+    `--device cuda-sim` refuses it before any work."""
     try:
         driver = requested_driver(device)
         index = requested_device_index(device)
     except DeviceUnavailable as err:
         return err.reason
     if driver == "cuda-sim":
+        requested_sim_memory()
         from .sim.compiler import compiler_identity, host_compiler
         from .sim.errors import SimError
 

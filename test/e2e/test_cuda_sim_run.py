@@ -11,19 +11,29 @@ the executor stacks them (`train stacked`) and a diagnosed step runs
 calls of its graph, so the first evaluation is captured at its eleventh call
 and the second is replayed from the start: a resumed run, whose only
 evaluation is launched eagerly first, must give the same values bit for bit.
+
+From the command line: issue 12's must-show (`examples/gpt.sx --variant smoke --set steps=3` on both
+devices), that command narrowed to one block on a simulated device whose memory
+(`SEXPGPU_SIM_MEMORY`) leaves room for two stacked microbatches of four, and a resume on a device too
+small for any activation arena (out of device memory, the checkpoint intact).
 """
 
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import io
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
-from sexpgpu.backends.checkpoint import read_checkpoint
+from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
 
@@ -186,26 +196,110 @@ def test_a_run_resumes_on_the_other_device(runs, tmp_path, origin, device):
     assert_close(values(resumed), {k: v for k, v in values(original).items() if k[1] > 4})
 
 
-def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
-    """`sexpgpu run examples/gpt.sx --variant smoke --device cuda-sim --set steps=3`, narrowed to one
-    small block so the simulator runs it in seconds: four microbatches a step, stacked."""
-    import subprocess
-    import sys
+def sexpgpu_run(arguments: list[str], out: Path, device: str, **environment: str) -> subprocess.CompletedProcess:
+    """`sexpgpu run ARGUMENTS --device DEVICE --out OUT` in a process of its own, environment added."""
+    return subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", *arguments, "--device", device,
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, **environment})
 
-    small = ["--variant", "smoke", "--set", "steps=3", "--set", "layers=1", "--set", "width=32", "--set", "heads=2",
-             "--set", "seq=16"]
+
+def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
+    """Issue 12's must-show, the exact command: `sexpgpu run examples/gpt.sx --variant smoke --device cuda-sim
+    --set steps=3` (two blocks of width 128, four microbatches stacked; 12 to 30 s on cuda-sim with the
+    kernel cache warm, depending on the machine's load, 35 to 50 s cold) trains as the interpreter does on the same command with `--device cpu`."""
+    command = ["examples/gpt.sx", "--variant", "smoke", "--set", "steps=3"]
     found = {}
     for device in ("cpu", "cuda-sim"):
-        out = tmp_path / device
-        done = subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", "examples/gpt.sx", *small,
-                               "--device", device, "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                              timeout=300)
+        done = sexpgpu_run(command, tmp_path / device, device)
         assert done.returncode == 0, done.stderr
-        found[device] = values(read_events(out / "events.jsonl"))
-        if device == "cuda-sim":
-            assert "\n  stacking                  4" in done.stderr and "Traceback" not in done.stderr
+        found[device] = values(read_events(tmp_path / device / "events.jsonl"))
+    assert "\n  stacking                  4, of 4, 2 or 1" in done.stderr and "Traceback" not in done.stderr
     assert sorted(found["cpu"]) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
     assert_close(found["cuda-sim"], found["cpu"])
+
+
+#: `sexpgpu run examples/gpt.sx --variant smoke --set steps=3` narrowed to one small block, so the simulator
+#: runs it in seconds: four microbatches a step.
+NARROWED_GPT = ["examples/gpt.sx", "--variant", "smoke", "--set", "steps=3", "--set", "layers=1", "--set", "width=32",
+                "--set", "heads=2", "--set", "seq=16"]
+
+
+@pytest.fixture(scope="module")
+def narrowed_gpt(tmp_path_factory) -> dict[str, tuple[dict, str]]:
+    """The narrowed gpt trained on the CPU and on cuda-sim (the simulator's default memory: stacking 4):
+    by device, its values and what it wrote on standard error."""
+    root = tmp_path_factory.mktemp("narrowed-gpt")
+    found = {}
+    for device in ("cpu", "cuda-sim"):
+        done = sexpgpu_run(NARROWED_GPT, root / device, device)
+        assert done.returncode == 0, done.stderr
+        found[device] = (values(read_events(root / device / "events.jsonl")), done.stderr)
+    return found
+
+
+def test_the_bundled_gpt_narrowed_stacks_its_four_microbatches_on_cuda_sim(narrowed_gpt):
+    cpu, _ = narrowed_gpt["cpu"]
+    sim, stderr = narrowed_gpt["cuda-sim"]
+    assert "\n  stacking                  4, of 4, 2 or 1" in stderr and "Traceback" not in stderr
+    assert sorted(cpu) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
+    assert_close(sim, cpu)
+
+
+def report_bytes(report: str, pattern: str) -> int:
+    """The size the lowering report prints where `pattern`'s group is (`0.5 MiB`, `96.0 KiB`), in bytes."""
+    number, unit = re.search(pattern, report).group(1).split()
+    return int(float(number) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit])
+
+
+def test_a_device_with_room_for_two_stacked_microbatches_stacks_two_of_four(narrowed_gpt, tmp_path):
+    """`SEXPGPU_SIM_MEMORY` sized from the stacking-4 run's report: the reserve, the persistent arrays and
+    three quarters of the four-microbatch arena (a two-microbatch one needs about half), so `stacking` takes
+    k=2 and a step runs `train_stacked` then `train_stacked_accumulating`."""
+    from sexpgpu.backends.cuda.executor import RESERVED_BYTES
+
+    cpu, _ = narrowed_gpt["cpu"]
+    _, stderr = narrowed_gpt["cuda-sim"]
+    persistent = report_bytes(stderr, r"planned ([0-9.]+ \w+) persistent")
+    stacked_four = report_bytes(stderr, r"arenas up to ([0-9.]+ \w+) \(train stacked\)")
+    memory = RESERVED_BYTES + persistent + stacked_four * 3 // 4
+    done = sexpgpu_run(NARROWED_GPT, tmp_path / "two", "cuda-sim", SEXPGPU_SIM_MEMORY=str(memory))
+    assert done.returncode == 0, done.stderr
+    assert "\n  stacking                  2, of 4, 2 or 1: the largest whose activations fit\n" in done.stderr
+    assert "layernorm 6, softmax 2" in done.stderr  # the train stacked row: two microbatches' norms
+    assert_close(values(read_events(tmp_path / "two" / "events.jsonl")), cpu)
+
+
+def test_out_of_device_memory_names_the_graph_and_leaves_the_last_checkpoint_intact(runs, tmp_path):
+    """A resume on a device too small for any activation arena (the persistent arrays, 86 KiB, fit in
+    128 KiB; the smallest arena, one microbatch's, does not): exit 1 with one line naming the graph and the
+    bytes it needs, and the checkpoint it resumed from; the record ends `failed`, no checkpoint is written,
+    and a resume with enough memory continues from that checkpoint as the original run did."""
+    source, _, _ = runs["source"]
+    out, original, _ = runs["cuda-sim"]
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step-4"
+    shutil.copytree(out / "checkpoints" / "step-4", checkpoint)
+    resume = [str(source), "--resume", str(checkpoint)]
+    failed = sexpgpu_run(resume, run_dir, "cuda-sim", SEXPGPU_SIM_MEMORY="128KiB")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    [error] = [line for line in failed.stderr.splitlines() if "error" in line]
+    match = re.fullmatch(r"error: out of device memory: the activation arena of graph (\w+) needs [0-9.]+ KiB "
+                         r"\((\d+) bytes\), but only [0-9.]+ KiB \((\d+) bytes\) are free on cuda-sim \(.*\); "
+                         r"the last checkpoint, (.*), is intact", error)
+    assert match, error
+    assert match.group(1) in ("train", "train_accumulating", "train_diagnosed", "eval")
+    assert int(match.group(2)) > int(match.group(3))
+    assert Path(match.group(4)) == checkpoint
+    end = read_events(run_dir / "events.jsonl")[-1]
+    assert (end["type"], end["status"], end["step"]) == ("end", "failed", 4)
+    assert end["message"] == error.removeprefix("error: ")
+    assert list_checkpoints(run_dir) == [(4, checkpoint)]
+    assert filecmp.dircmp(checkpoint, out / "checkpoints" / "step-4").diff_files == []
+    read_checkpoint(checkpoint)
+
+    done = sexpgpu_run(resume, run_dir, "cuda-sim")
+    assert done.returncode == 0, done.stderr
+    assert values(read_events(run_dir / "events.jsonl")) == {k: v for k, v in values(original).items() if k[1] > 4}
 
 
 def test_every_graph_captured_from_its_second_call_trains_as_eager_launches(runs, tmp_path, monkeypatch):

@@ -802,6 +802,28 @@ def test_cuda_sim_opens_whatever_the_cuda_driver(monkeypatch, cache_dir):
     assert selection.requested_driver("cuda-sim") == "cuda-sim"
 
 
+@pytest.mark.parametrize("size, nbytes", [
+    ("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("300 mib", 300 << 20), ("4096", 4096), ("2k", 2048), ("1TiB", 1 << 40),
+])
+def test_sexpgpu_sim_memory_sizes_the_simulated_device(monkeypatch, cache_dir, size, nbytes):
+    monkeypatch.setenv("SEXPGPU_SIM_MEMORY", size)
+    monkeypatch.delenv("SEXPGPU_DEVICES", raising=False)
+    assert selection.requested_sim_memory() == nbytes
+    with open_runtime("cuda-sim", cache_dir=cache_dir) as runtime:
+        assert runtime.memory_info() == (nbytes, nbytes)
+
+
+@pytest.mark.parametrize("size", ["64x", "-1", "0", "0.1", "MiB", "1e9", "64 MB"])
+def test_a_bad_sexpgpu_sim_memory_is_a_usage_error(monkeypatch, capsys, size):
+    monkeypatch.setenv("SEXPGPU_SIM_MEMORY", size)
+    monkeypatch.delenv("SEXPGPU_DEVICES", raising=False)
+    assert guarded(lambda: runtime_unavailable("cuda-sim")) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: SEXPGPU_SIM_MEMORY={size} is not a memory size; give a positive number of bytes, or one with "
+        "KiB, MiB, GiB or TiB (64MiB, 1.5GiB)"]
+    assert guarded(lambda: open_runtime("cuda-sim")) == 2
+
+
 # --- on a GPU only ---------------------------------------------------------------------------------------
 
 
