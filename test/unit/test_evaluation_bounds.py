@@ -24,20 +24,11 @@ from sexpgpu.frontend.reader import read_text
 from sexpgpu.frontend.tracer import Trace, tracing
 from sexpgpu.tools.check_cmd import check
 from sexpgpu.tools.main import main as sexpgpu_main
+from test_evaluator import error_of, run
 
 from sexpgpu.diagnostics import Location, SxError
 
 LOC = Location("t.sx", 1, 1)
-
-
-def run(text):
-    return [show(v) for v in Evaluator().eval_text(text, "t.sx")]
-
-
-def error_of(text):
-    with pytest.raises(SxError) as err:
-        Evaluator().eval_text(text, "t.sx")
-    return err.value
 
 
 # -- every builtin, every argument -------------------------------------------------------------
