@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from attrs import frozen
 
 from ..diagnostics import SxError
+from ..report import render_lowering
 
 if TYPE_CHECKING:
     import numpy as np
@@ -137,10 +138,17 @@ class Executor(ABC):
         chosen). 1, the default, keeps one call per microbatch."""
         return 1
 
-    def lowering_report(self) -> str | None:
-        """What the device made of the graphs compiled so far, for `run` to print before its first step
-        (the lowering report, docs/cuda.md); None where nothing is lowered (the interpreter)."""
+    def lowering_document(self) -> dict[str, Any] | None:
+        """What the device made of the graphs compiled so far, as the lowering report's numbers
+        (`passes/lowering_report.py`; `explain --json` puts them under `device`); None where nothing
+        is lowered (the interpreter)."""
         return None
+
+    def lowering_report(self) -> str | None:
+        """The lowering report's text (docs/cuda.md) of `lowering_document`, for `run` to print before its
+        first step and `explain --device` to show; None where nothing is lowered."""
+        document = self.lowering_document()
+        return None if document is None else render_lowering(document).rstrip("\n")
 
 
 class ExecutorUnavailable(SxError):

@@ -208,34 +208,21 @@ class TrainingPlan:
         return {str(k): list(v) for k, v in dict(self.selection["knobs"]).items()}
 
 
-class Trainer:
-    """Runs one training plan's loop on an executor and records it."""
+class DeviceSetup:
+    """What a run prepares on its executor before the first step, without loaders, data or a record:
+    every graph compiled, the parameters (at their initial values), gradients and optimizer states
+    allocated, the stacking degree chosen. `explain --device cuda` shows an opened device's lowering
+    report after this (the executor's `lowering_document`); `Trainer` goes on to train."""
 
-    def __init__(self, plan: TrainingPlan, out_dir: Path, resume: Path | None,
-                 reporter_stream: Any = None, interactive: bool | None = None,
-                 executor: Executor | None = None) -> None:
+    def __init__(self, plan: TrainingPlan, executor: Executor) -> None:
         self.plan = plan
         #: Where the graphs run and the parameters, gradients and states live.
-        self.executor = executor if executor is not None else open_device("cpu", "run")
-        self.out_dir = out_dir
+        self.executor = executor
         check_training_tensors_fit(list(plan.module.body.ops))
-        self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
-        if plan.train_loader_name not in self.loaders:
-            raise SxError(f"defrun names loader {plan.train_loader_name}, which is not defined", plan.run_op.loc)
-        self.train_loader = self.loaders[plan.train_loader_name]
         self._compile_graphs()
-        self._check_vocabularies()
         self._allocate()
         self._compile_gradient_graphs()
         self._choose_stacking()
-        self.start_step = 0
-        self.resumed_from: Path | None = None
-        if resume is not None:
-            self._resume(resume)
-        #: The checkpoint the run would resume from now: the last written, else the one it resumed from.
-        self.last_checkpoint = self.resumed_from
-        self.reporter_stream = reporter_stream
-        self.interactive = interactive
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -393,6 +380,31 @@ class Trainer:
                 accumulating = next(op for op in module.body.ops if op.name == "graph.func"
                                     and op.attributes["sym_name"] == "train_stacked_accumulating")
                 self.train_stacked_accumulating = self.executor.compile(accumulating)
+
+
+
+class Trainer(DeviceSetup):
+    """Runs one training plan's loop on an executor and records it."""
+
+    def __init__(self, plan: TrainingPlan, out_dir: Path, resume: Path | None,
+                 reporter_stream: Any = None, interactive: bool | None = None,
+                 executor: Executor | None = None) -> None:
+        self.plan = plan
+        self.out_dir = out_dir
+        self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
+        if plan.train_loader_name not in self.loaders:
+            raise SxError(f"defrun names loader {plan.train_loader_name}, which is not defined", plan.run_op.loc)
+        self.train_loader = self.loaders[plan.train_loader_name]
+        self._check_vocabularies()
+        super().__init__(plan, executor if executor is not None else open_device("cpu", "run"))
+        self.start_step = 0
+        self.resumed_from: Path | None = None
+        if resume is not None:
+            self._resume(resume)
+        #: The checkpoint the run would resume from now: the last written, else the one it resumed from.
+        self.last_checkpoint = self.resumed_from
+        self.reporter_stream = reporter_stream
+        self.interactive = interactive
 
     def _check_vocabularies(self) -> None:
         bounds: dict[str, dict[str, int]] = {}

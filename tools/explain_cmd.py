@@ -1,4 +1,4 @@
-"""`sexpgpu explain FILE [selection] [--json] [--device cpu|cuda [--target ARCH]]`: what the compiler made of a file.
+"""`sexpgpu explain FILE [selection] [--json] [--device cpu|cuda|cuda-sim [--target ARCH]]`: what the compiler made of a file.
 
 It runs the training pipeline and then the `explain` dump pass, exactly what
 `sexpgpu-opt FILE -p '<training pipeline>,explain'` runs, so the two print
@@ -6,7 +6,10 @@ the same report (see docs/verbs/explain.md). With `--device cuda` the report
 ends with the lowering report instead of the device hole: the CUDA lowering
 of every graph a step runs, its kernels compiled by NVRTC for the device's
 architecture, or for `--target` without opening a device (docs/cuda.md,
-"The lowering report").
+"The lowering report"). Without `--target` it opens the device (`cuda`, or the
+simulated `cuda-sim`) and prepares the run as `run` does before its first step
+(every graph compiled, the parameters, gradients and states allocated, the
+stacking chosen), so the report says what that device chose; it reads no data.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import sys
 from typing import TextIO
 
-from ..devices import require_available
+from ..devices import open_device, require_available
 from ..diagnostics import UsageError
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
@@ -28,7 +31,7 @@ from .common import add_device_flag
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    add_device_flag(parser, "cpu: the device hole; cuda: the lowering report, which opens the GPU unless --target")
+    add_device_flag(parser, "cpu: the device hole; cuda, cuda-sim: the lowering report, which opens the device unless --target")
     parser.add_argument("--target", metavar="ARCH",
                         help="with --device cuda: lower and compile for ARCH (sm_80, sm_90) without opening a device")
 
@@ -47,27 +50,37 @@ def listed_launches() -> bool:
     return value == "kernels"
 
 
+def opened_device_document(args: argparse.Namespace) -> dict:
+    """The report's document with the lowering the opened device made of a run's graphs under `device`."""
+    from ..backends.training import DeviceSetup, TrainingPlan
+
+    executor = open_device(args.device, "explain")
+    unit = compile_unit(args.file, args.variant, args.set)
+    document = build_document(unit.module, unit.facts, unit.path)
+    DeviceSetup(TrainingPlan(unit.module, unit.path), executor)
+    document["device"] = executor.lowering_document()
+    return document
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target is not None and args.device != "cuda":
         raise UsageError("--target needs --device cuda: it names the architecture the CUDA lowering compiles for")
-    if args.device != "cuda":
+    if args.device == "cpu":
         require_available(args.device, "explain")
         compile_unit(args.file, args.variant, args.set, "explain{json=true}" if args.json else "explain")
         return 0
     launches = listed_launches()
-    from ..backends.cuda.lowering import check_target, lowering_report, query_device, stack_for_report
-    from ..backends.cuda.nvrtc import nvrtc_toolchain
-
-    nvrtc_toolchain()  # without the cuda extra: one line naming the install command, before any work
     if args.target is None:
-        require_available("cuda", "explain")
-        arch, device = query_device("cuda")
+        document = opened_device_document(args)
     else:
-        arch, device = check_target(args.target), None
-    unit = compile_unit(args.file, args.variant, args.set)
-    document = build_document(unit.module, unit.facts, unit.path)
-    document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module, device), device=device,
-                                         launches=launches)
+        from ..backends.cuda.lowering import check_target, lowering_report, stack_for_report
+        from ..backends.cuda.nvrtc import nvrtc_toolchain
+
+        nvrtc_toolchain()  # without the cuda extra: one line naming the install command, before any work
+        arch = check_target(args.target)
+        unit = compile_unit(args.file, args.variant, args.set)
+        document = build_document(unit.module, unit.facts, unit.path)
+        document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=launches)
     if args.json:
         sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     else:

@@ -40,7 +40,7 @@ from ...dialects.parser import parse_module
 from ...dialects.printer import print_module, print_op
 from ...passes.lowering_report import lowering_document
 from ...passes.manager import CompilationUnit
-from ...report import DeviceFacts, apply_device, graph_title, render_lowering
+from ...report import DeviceFacts, apply_device, graph_title
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
@@ -236,17 +236,12 @@ class CudaExecutor(Executor):
         self.stacked = (chosen, candidates)
         return chosen
 
-    def lowering_report(self) -> str | None:
-        """The lowering report of the experiment's graphs on this device (`sexpgpu.report.render_lowering`),
-        None before any was compiled."""
+    def lowering_document(self) -> dict[str, Any] | None:
+        """The lowering document (`passes.lowering_report`) of the experiment's graphs as this executor lowered
+        them, with the chosen `train stacked` row, and what the opened device tells; None before any was
+        compiled."""
         if self.experiment is None:
             return None
-        return render_lowering(self.lowering_document()).rstrip("\n")
-
-    def lowering_document(self) -> dict[str, Any]:
-        """The lowering document (`passes.lowering_report`) of the experiment's graphs as this executor lowered
-        them, with the chosen `train stacked` row, and what the opened device tells."""
-        assert self.experiment is not None
         arch = self.runtime.device.arch
         compiled = None
         if self.experiment.cubin is not None:
