@@ -31,7 +31,7 @@ from sexpgpu.backends.cuda.nvrtc import compile_cubin
 from sexpgpu.dialects.parser import parse_module
 from sexpgpu.passes.flat_updates import flat_update_graph
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-from sexpgpu.passes.pipelines import TRAINING_PIPELINE
+from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -57,10 +57,11 @@ COMPILED = {
 
 @pytest.fixture(scope="module")
 def lowered_sources() -> dict[str, tuple[str, list[str]]]:
-    """Each example's translation unit and the functions its kernels name, lowered once."""
+    """Each example's translation unit (the whole CUDA lowering: pattern kernels, fused groups, GEMM
+    epilogues, updates) and the functions its kernels name, lowered once."""
     sources = {}
     for key, (example, variant) in COMPILED.items():
-        unit = lower(training_module(example, variant))
+        unit = lower(training_module(example, variant), CUDA_LOWERING)
         module = unit.module
         source = next(op for op in module.body.ops if op.name == "kern.source").attributes["text"]
         functions = [op.attributes["function"] for op in module.body.ops if op.name == "kern.kernel"]
