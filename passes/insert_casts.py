@@ -5,9 +5,11 @@ the module's exp.run, `f32` when there is none). `f32` adds no cast.
 
 `bf16` rewrites the graphs of kind train, train_accumulating, train_stacked,
 train_diagnosed and evaluation (update and clip graphs are untouched). Walking
-each graph in block order, a value is *f32-kept* when it is the result of a
-reduction (`sum`, `max`, `min`), of a pointwise op with an f32-kept operand,
-or of a shape or index op whose data operand is f32-kept. Then:
+each graph in block order, a value is *f32-kept* when it is a gradient input
+(`role = "grad"`: the sum of the earlier microbatches' gradients that
+`train_accumulating` adds to, so gradients accumulate in f32), the result of
+a reduction (`sum`, `max`, `min`), of a pointwise op with an f32-kept
+operand, or of a shape or index op whose data operand is f32-kept. Then:
 
 - `matmul` runs in bf16: f32 operands are cast to bf16;
 - a pointwise op (unary, binary, `where`) with an f32-kept float operand runs
@@ -85,6 +87,10 @@ class GraphCaster:
 
     def rewrite(self, op: Operation) -> bool:
         """Cast the operands of `op` per the policy; True when it runs in f32 by the keep rule."""
+        if op.name == "graph.input" and op.attributes.get("role") == "grad":
+            # The gradients of the microbatches before: their sum is accumulated in f32.
+            self.kept.update(id(r) for r in op.results)
+            return False
         floats = self.float_operands(op)
         kept = False
         if has_trait(op, Trait.CONTRACTION):

@@ -143,3 +143,20 @@ def test_auto_policy_reads_the_run_and_leaves_update_graphs_alone() -> None:
 def test_unknown_policy_is_an_error() -> None:
     with pytest.raises(SxError, match="unknown policy 'fp8'"):
         run_casts(make_module(mlp_train()), "insert-casts{policy=fp8}")
+
+
+def test_bf16_accumulates_gradients_in_f32() -> None:
+    """`train_accumulating` adds each microbatch's gradient to the sum of the ones before (an f32 input):
+    the add runs in f32, the new bf16 gradient cast up, so no microbatch rounds the sum to bf16."""
+    run = Operation.create(
+        "exp.run", attributes={"steps": 1, "loader": "l", "microbatches": 4, "precision": "bf16", "seed": 0}
+    )
+    module = make_module(run, mlp_train())
+    run_casts(module, "accumulate,insert-casts")
+    accumulating = next(op for op in module.body.ops
+                        if op.name == "graph.func" and op.attributes["sym_name"] == "train_accumulating")
+    grad = next(op.result for op in ops_named(accumulating, "graph.input") if op.attributes["role"] == "grad")
+    [add] = [user for user in grad.users() if user.name == "graph.add"]
+    assert [v.type.dtype for v in add.operands] == ["f32", "f32"] and add.result.type.dtype == "f32"
+    assert add.operands[1].op.name == "graph.cast"
+    assert add.operands[1].op.operands[0].type.dtype == "bf16"
