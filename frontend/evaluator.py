@@ -1280,16 +1280,11 @@ def run_deep(body: Callable[[], Any]) -> Any:
     old_limit = sys.getrecursionlimit()
     try:
         thread = _start_deep_thread(target, old_limit)
-    except BaseException:
-        sys.setrecursionlimit(old_limit)
-        raise
-    try:
+        # `_join` returns or raises only once the thread has ended, so the limit (the process's) is never
+        # lowered under a thread deep in its recursion, which would abort the process.
         _join(thread)
     finally:
-        # The limit is the process's: lowering it under a thread still deep in its recursion (one a
-        # Ctrl-C could not stop in time) turns its next call into a fatal stack-overflow abort.
-        if not thread.is_alive():
-            sys.setrecursionlimit(old_limit)
+        sys.setrecursionlimit(old_limit)
     if error:
         raise error[0]
     return result[0]

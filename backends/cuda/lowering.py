@@ -34,8 +34,6 @@ from ...diagnostics import UsageError
 from ...dialects.core import Operation
 from ...dialects.printer import print_module
 from ...passes.lowering_report import (
-    DeviceFacts,
-    apply_device,
     lowering_document,
     stacking_degrees,
     without_launches,
@@ -66,12 +64,10 @@ def lower(unit: CompilationUnit, stack: int | None = None) -> CompilationUnit:
     return run_pipeline(unit, pipeline)
 
 
-def stack_for_report(module: Operation, device: DeviceFacts | None = None) -> int | None:
-    """The stacking degree `train stacked` is planned for: the one the device's run chose, else the smallest
-    above 1 a run may choose (the cheapest to plan; the report's stacking line lists them all); None when a
-    step has one microbatch."""
-    if device is not None and device.stacking is not None:
-        return device.stacking
+def stack_for_report(module: Operation) -> int | None:
+    """The stacking degree `train stacked` is planned for without a device: the smallest above 1 a run may
+    choose (the cheapest to plan; the report's stacking line lists them all); None when a step has one
+    microbatch."""
     run = next(op.attributes for op in module.body.ops if op.name == "exp.run")
     return min((k for k in stacking_degrees(run["microbatches"]) if k > 1), default=None)
 
@@ -158,9 +154,10 @@ def device_limits(kernels: list[Operation], cubin: Cubin, arch: str) -> list[str
 # -- the report, and its cache ------------------------------------------------------------------
 
 
-def lowering_report(unit: CompilationUnit, arch: str, stack: int | None = None, device: DeviceFacts | None = None,
-                    launches: bool = False, executor: str = "cuda", use_cache: bool = True) -> dict[str, Any]:
-    """The lowering document of `unit` (after the training pipeline) lowered and compiled for `arch`.
+def lowering_report(unit: CompilationUnit, arch: str, stack: int | None = None, launches: bool = False,
+                    executor: str = "cuda", use_cache: bool = True) -> dict[str, Any]:
+    """The lowering document of `unit` (after the training pipeline) lowered and compiled for `arch`, what
+    no device told (`explain --target`; an opened device's is the executor's `lowering_document`).
 
     The unit is lowered in place unless the lowering cache holds the document (see the module docstring);
     `launches` keeps every launch of each row's first graph (`SEXPGPU_EXPLAIN=kernels`).
@@ -178,7 +175,7 @@ def lowering_report(unit: CompilationUnit, arch: str, stack: int | None = None, 
             _write_document(path, document)
     if not launches:
         without_launches(document)
-    return apply_device(document, device) if device is not None else document
+    return document
 
 
 def _report_key(module: Operation, arch: str, stack: int | None, executor: str, compiler: str) -> str:
@@ -248,18 +245,3 @@ def check_target(arch: str) -> str:
         raise UsageError(f"--target must be an architecture NVRTC {version[0]}.{version[1]} compiles these kernels "
                          f"for ({', '.join(usable)}), not {arch}")
     return arch
-
-
-def query_device(device: str = "cuda") -> tuple[str, DeviceFacts]:
-    """The architecture of the device `SEXPGPU_DEVICES` names and what the report takes from it: its name
-    and memory (the stacking degree and capture are a run's to choose). Opens and closes the device."""
-    from .selection import open_runtime
-
-    runtime = open_runtime(device)
-    try:
-        info = runtime.device
-    finally:
-        runtime.close()
-    capture_off = "PyCUDA has no stream-capture API" if info.driver == "pycuda" else None
-    return info.arch, DeviceFacts(name=info.name, total_memory=info.total_memory, free_memory=info.free_memory,
-                                  capture_off=capture_off)
