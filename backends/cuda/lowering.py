@@ -43,7 +43,7 @@ from ...passes.pipelines import CUDA_LOWERING
 from ...version import __version__
 from .errors import KernelCompileError
 from .nvrtc import DEFAULT_OPTIONS, Cubin, cache_root, compile_cubin, nvrtc_toolchain, supported_archs
-from .sim.source import find_kernels
+from .source import find_kernels
 
 #: Registers of one streaming multiprocessor (every architecture from sm_80 to sm_90), allocated to a warp
 #: in units of 256 (8 a thread): a block needs all of its threads' at once.

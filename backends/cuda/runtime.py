@@ -42,8 +42,8 @@ from attrs import define, field, frozen
 
 from ...diagnostics import SxError
 from ..executor import OutOfDeviceMemory
-from .sim.device import bf16_bits
-from .sim.source import find_kernels
+from .bf16 import bf16_bits
+from .source import find_kernels
 
 if TYPE_CHECKING:
     from .cublaslt import GemmSpec

@@ -28,8 +28,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ...dialects.core import Operation, TensorType, Value
-from ...dialects.index_maps import Expr
+from ....dialects.core import Operation, TensorType, Value
+from ....dialects.index_maps import Expr
 from .kernel_source import (
     KernelParam,
     KernelSource,
