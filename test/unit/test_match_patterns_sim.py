@@ -24,6 +24,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
+from sexpgpu.backends.cuda.render.pattern_kernels import kernel_program, step_binding
+from sexpgpu.backends.cuda.render.prelude import translation_unit
 from sexpgpu.backends.cuda.sim import SimDevice
 from sexpgpu.backends.interpreter.compiler import compile_graph
 from sexpgpu.backends.interpreter.dtypes import DtypePolicy
@@ -31,8 +33,6 @@ from sexpgpu.backends.interpreter.kernels import kernel_for
 from sexpgpu.dialects.core import Operation
 from sexpgpu.dialects.graph import emit_collection, emit_name, input_name, return_names
 from sexpgpu.dialects.kern import find_kernel
-from sexpgpu.backends.cuda.render.pattern_kernels import kernel_program, step_binding
-from sexpgpu.backends.cuda.render.prelude import translation_unit
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 
 GRAPHS = "evaluate,autodiff,insert-casts,canonicalize,cse,dce"
