@@ -681,6 +681,9 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
 
 
 def _plain(plan: GroupPlan) -> bool:
+    """Whether the group is one copy through plain strides (a gathering copy also reads its index input)."""
+    if len(plan.inputs) != 1:
+        return False
     access = plan.inputs[0]
     return not access.guards and not access.offset.gathers and access.offset.strides() is not None and all(
         s >= 0 for s in access.offset.strides()) and access.offset.const >= 0
