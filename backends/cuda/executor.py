@@ -8,7 +8,8 @@ with a graph (docs/cuda.md, "Running on the device"):
   match-patterns, fuse, plan-buffers, emit-cuda) on a copy of the module
   holding `func` — once per module, so the experiment's graphs share one
   translation unit, one NVRTC compile and one loaded module — compiles the
-  unit (NVRTC CUBIN for the device's architecture; g++ on cuda-sim) and
+  unit with the runtime's compiler (NVRTC CUBIN for the device's
+  architecture; the host C++ compiler on cuda-sim) and
   returns a `CudaExecutable` (`executable.py`) that launches the graph's
   kernels and GEMMs in order. A graph not inside a module (the driver's flat
   update, clip and scaling graphs) is lowered on its own.
@@ -44,9 +45,8 @@ from ...report import DeviceFacts, apply_device, graph_title
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
-from .lowering import compile_facts, compile_lowered, lower, module_source
+from .lowering import compile_module, lower, module_source
 from .memory import ActivationArena, CudaArray, DevicePool
-from .nvrtc import Cubin
 from .runtime import DeviceRuntime, DeviceScalars, KernelSource, LoadedModule, PinnedStaging
 from .selection import open_runtime
 
@@ -74,12 +74,12 @@ def capture_setting() -> bool:
 class LoweredModule:
     """A module after the CUDA lowering: its graphs by name, its facts, its kernels loaded on the device."""
 
-    def __init__(self, module: Operation, facts: dict[str, Any], loaded: LoadedModule, cubin: Cubin | None) -> None:
+    def __init__(self, module: Operation, facts: dict[str, Any], loaded: LoadedModule, binary: Any) -> None:
         self.module = module
         self.facts = facts
         self.loaded = loaded
-        #: NVRTC's CUBIN of the module's kernels (None on cuda-sim, which compiles the source with g++).
-        self.cubin = cubin
+        #: What the runtime's compiler made of the module's kernels (NVRTC's CUBIN; cuda-sim's shared object).
+        self.binary = binary
         self.graphs = {str(f.attributes["sym_name"]): f for f in graph_funcs(module)}
 
 
@@ -142,11 +142,10 @@ class CudaExecutor(Executor):
     def _lower(self, module: Operation, name: str) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it) and load its kernels on the device."""
         unit = lower(CompilationUnit(module=module))
-        cubin = None
-        if self.runtime.device.driver != "cuda-sim":
-            cubin = compile_lowered(module, self.runtime.device.arch)
-        loaded = self.runtime.load_module(KernelSource(_identifier(name), module_source(module), cubin))
-        return LoweredModule(module, unit.facts, loaded, cubin)
+        identifier = _identifier(name)
+        binary = compile_module(self.runtime.compiler, module, identifier)
+        loaded = self.runtime.load_module(KernelSource(identifier, module_source(module), binary))
+        return LoweredModule(module, unit.facts, loaded, binary)
 
     def activations(self, executable: CudaExecutable):
         """The activation arena, large enough for every graph compiled so far."""
@@ -243,9 +242,7 @@ class CudaExecutor(Executor):
         if self.experiment is None:
             return None
         arch = self.runtime.device.arch
-        compiled = None
-        if self.experiment.cubin is not None:
-            compiled = compile_facts(self.experiment.module, self.experiment.cubin, arch)
+        compiled = self.runtime.compiler.compiled_facts(self.experiment.module, self.experiment.binary)
         document = lowering_document(self.experiment.module, self.experiment.facts, arch, self.device,
                                      compiled=compiled, launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
         if self.stacked_lowering is not None:
