@@ -16,7 +16,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..report import build_document, human_count, show_shape, show_value, step_rows
+from ..report.document import build_document
+from ..report.explain_text import step_rows
+from ..report.text import human_count, show_shape, show_value
 from .explain_cmd import compile_unit
 
 #: Rows a section prints before summarising the rest as a count (the graphs share them fairly).
