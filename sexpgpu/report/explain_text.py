@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..byte_text import show_bytes
 from ..dialects.exp import KIND_TITLES
+from ..dialects.graph import show_shape
+from ..frontend.selection import show_value
 from .lowering_text import render_lowering
-from .text import compress_paths, human_count, mib, plural, show_shape, show_value, span, table
+from .text import compress_paths, human_count, plural, span, table
 
 #: Constants the text lists per group before eliding the rest (the document keeps all).
 CONSTANTS_SHOWN = 8
@@ -58,7 +61,7 @@ def _show_emits(emits: list[dict[str, str]]) -> str:
 
 def _render_selection(doc: dict[str, Any]) -> list[str]:
     sel = doc["selection"]
-    rows = [["variant", show_value(sel["variant"])]]
+    rows = [["variant", sel["variant"] or "none"]]
     rows += [[k["name"], show_value(k["value"]), k["source"]] for k in sel["knobs"]]
     return ["selection:", *table(rows, 2, min_widths=(0, 10))]
 
@@ -116,7 +119,7 @@ def _tree_rows(leaves: list[dict[str, Any]], indent: int) -> list[list[str]]:
 
 def _render_parameters(doc: dict[str, Any]) -> list[str]:
     p = doc["parameters"]
-    lines = [f"parameters: {p['count']}, {human_count(p['elements'])} elements, {mib(p['master_bytes'])} as f32 master weights"]
+    lines = [f"parameters: {p['count']}, {human_count(p['elements'])} elements, {show_bytes(p['master_bytes'])} as f32 master weights"]
     rows: list[list[str]] = []
     for module in p["modules"]:
         rows.append(["  " + module["name"], human_count(module["elements"])])
@@ -198,8 +201,8 @@ def step_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         text = "not planned (the pipeline ran no plan-memory)"
     else:
         text = (
-            f"<= {mib(peak['bytes'])} for one microbatch, an upper bound: nothing reused in place; "
-            f"parameters {mib(peak['param_bytes'])} and gradients {mib(peak['grad_bytes'])} besides"
+            f"<= {show_bytes(peak['bytes'])} for one microbatch, an upper bound: nothing reused in place; "
+            f"parameters {show_bytes(peak['param_bytes'])} and gradients {show_bytes(peak['grad_bytes'])} besides"
         )
     rows.append(("peak activation", "peak activation", text))
     return rows

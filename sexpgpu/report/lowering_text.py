@@ -12,8 +12,10 @@ import copy
 import statistics
 from typing import Any
 
+from ..byte_text import show_bytes
+from ..dialects.graph import show_shape
 from ..passes.lowering_report import DeviceFacts, LoweringFacts, apply_device
-from .text import compress_paths, mib, plural, show_shape, table
+from .text import compress_paths, plural, table
 
 #: The lowering report's first column (row names, run-wide keys) is at least this wide, as on the seed page.
 LOWERING_NAME_WIDTH = 24
@@ -138,25 +140,18 @@ def _either(options: list[int]) -> str:
     return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
 
 
-def _bytes(nbytes: int) -> str:
-    """Memory as the lowering report reads it: GiB from 1 GiB, KiB below 0.1 MiB, else MiB."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.1f} GiB"
-    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 // 10 else mib(nbytes)
-
-
 def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """The run-wide lines: memory, stacking, capture, the compiled kernels, then what they cannot do here."""
     lines = []
     memory = doc["memory"]
-    planned = f"{_bytes(memory['persistent_bytes'])} persistent (parameters, gradients, optimizer states)"
+    planned = f"{show_bytes(memory['persistent_bytes'])} persistent (parameters, gradients, optimizer states)"
     if memory["largest_arena"] is not None:
-        planned += f", arenas up to {_bytes(memory['largest_arena']['bytes'])} ({memory['largest_arena']['row']})"
+        planned += f", arenas up to {show_bytes(memory['largest_arena']['bytes'])} ({memory['largest_arena']['row']})"
     if memory["total_bytes"] is None:
         lines.append(("memory", f"not measured; planned {planned}"))
     else:
-        free = f", {_bytes(memory['free_bytes'])} free" if memory["free_bytes"] is not None else ""
-        lines.append(("memory", f"{_bytes(memory['total_bytes'])}{free}; planned {planned}"))
+        free = f", {show_bytes(memory['free_bytes'])} free" if memory["free_bytes"] is not None else ""
+        lines.append(("memory", f"{show_bytes(memory['total_bytes'])}{free}; planned {planned}"))
     stacking = doc["stacking"]
     degrees = stacking["degrees"]
     if stacking["chosen"] is not None:

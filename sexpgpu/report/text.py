@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 
 def human_count(n: int) -> str:
@@ -16,35 +14,6 @@ def human_count(n: int) -> str:
         if scaled < 999.5:
             return f"{scaled:.3g}{suffix}"
     return f"{n / 1e12:.3g}T"
-
-
-
-def mib(nbytes: int) -> str:
-    """Bytes in MiB to one decimal; below 0.1 MiB to 3 significant digits, so a small model is not 0.0."""
-    value = nbytes / 2**20
-    return f"{value:.1f} MiB" if value >= 0.1 or value == 0 else f"{value:.3g} MiB"
-
-
-def show_value(value: Any) -> str:
-    """A knob value or folded constant as the user would write it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return f"{value:.6g}"
-    if isinstance(value, list):
-        return "[" + " ".join(show_value(v) for v in value) + "]"
-    return str(value)
-
-
-def show_shape(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:

@@ -35,6 +35,7 @@ LAYER_OF = {
     "sexpgpu.version": "base",
     "sexpgpu.diagnostics": "base",
     "sexpgpu.float_text": "base",
+    "sexpgpu.byte_text": "base",
     "sexpgpu.dialects": "dialects",
     "sexpgpu.frontend": "frontend",
     "sexpgpu.passes": "passes",

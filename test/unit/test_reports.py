@@ -13,12 +13,14 @@ import jsonschema
 import pytest
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
+from sexpgpu.dialects.graph import show_shape
 
 import sexpgpu
+from sexpgpu.byte_text import show_bytes
 from sexpgpu.diagnostics import Location
 from sexpgpu.report.document import LARGEST_KEPT, build_document
 from sexpgpu.report.explain_text import DEVICE_HOLE, _show_constants, _tree_rows, render_text
-from sexpgpu.report.text import compress_paths, human_count, mib, show_shape
+from sexpgpu.report.text import compress_paths, human_count
 
 SCHEMAS = Path(sexpgpu.__file__).parent / "schemas"
 
@@ -180,7 +182,7 @@ def test_text_sections_in_order():
     heads = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert heads == [
         "tiny.sx: 3 parameters, 10 steps, precision f32  (sexpgpu-frontend 0.1.0)",
-        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights",
+        "selection:", "parameters: 3, 64 elements, 256 B as f32 master weights",
         "graphs: 6 (an optimizer group's update graphs in one row)", "training step:",
         "diagnostics:", "precision:", DEVICE_HOLE,
     ]
@@ -451,6 +453,6 @@ def test_gpt_example_text_and_json_agree_with_independent_counts():
     assert train_doc["nodes"] == len(train.body) - 1 == sum(o["count"] for o in train_doc["ops"])
     assert doc["step"]["counters"] == [{"name": "tokens", "per_step": 4 * 65 * 4, "static": True}]
     text = render_text(doc)
-    assert f"parameters: 29, {human_count(470528)} elements, {mib(470528 * 4)}" in text
+    assert f"parameters: 29, {human_count(470528)} elements, {show_bytes(470528 * 4)}" in text
     assert f"  train  {train_doc['nodes']} nodes, 0 casts added by the f32 policy" in text
     assert "  counter tokens   1040 per step (static)" in text
