@@ -55,7 +55,6 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 
-from ..devices import open_device
 from ..diagnostics import SxError, display_path, source_digest
 from ..dialects.core import Operation, TensorType
 from ..dialects.inits import initial_params
@@ -72,8 +71,9 @@ from .checkpoint import (
     resolve_checkpoint,
     write_checkpoint,
 )
+from .devices import open_device
 from .events import EventLog, finite_or_none
-from .executor import DeviceArray, Executable, Executor, OutOfDeviceMemory
+from .executor import DeviceArray, Executable, Executor, LoweringText, OutOfDeviceMemory
 from .flat_updates import flat_clip_graph, flat_update_graph, scaling_graph
 from .loaders import Loader, vocabulary_bounds
 from .memory import check_training_tensors_fit, ran_out
@@ -388,7 +388,7 @@ class Trainer(DeviceSetup):
 
     def __init__(self, plan: TrainingPlan, out_dir: Path, resume: Path | None,
                  reporter_stream: Any = None, interactive: bool | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, lowering_text: LoweringText | None = None) -> None:
         self.plan = plan
         self.out_dir = out_dir
         self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
@@ -405,6 +405,8 @@ class Trainer(DeviceSetup):
         self.last_checkpoint = self.resumed_from
         self.reporter_stream = reporter_stream
         self.interactive = interactive
+        #: Renders the executor's lowering facts for the run to print and record (the top layer's renderer).
+        self.lowering_text = lowering_text
 
     def _check_vocabularies(self) -> None:
         bounds: dict[str, dict[str, int]] = {}
@@ -631,7 +633,8 @@ class Trainer(DeviceSetup):
             },
             parameters=plan.parameter_count,
         )
-        report = self.executor.lowering_report()
+        lowering = self.executor.lowering_facts()
+        report = self.lowering_text(lowering) if lowering is not None and self.lowering_text is not None else None
         if report is not None:
             # Before the first step, on standard error (what the device made of the graphs), and in the log.
             print(report, file=sys.stderr, flush=True)
@@ -759,8 +762,10 @@ def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
 def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str] | None = None,
           out: str | Path | None = None,
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
-          interactive: bool | None = None) -> RunResult:
-    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do."""
+          interactive: bool | None = None, lowering_text: LoweringText | None = None) -> RunResult:
+    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do. `lowering_text` renders what the
+    executor lowered, for the run to print before its first step and record (`sexpgpu.train` passes the
+    report's renderer); without it the run prints and records no lowering report."""
     executor = open_device(device, "run")
     plan = TrainingPlan.compile(path, variant, sets)
     resume_path = Path(resume) if resume is not None else None
@@ -775,6 +780,6 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
         raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
                       f"--resume {display_path(str(out_dir))}, or choose another --out")
     try:
-        return Trainer(plan, out_dir, resume_path, stream, interactive, executor).run()
+        return Trainer(plan, out_dir, resume_path, stream, interactive, executor, lowering_text).run()
     except MemoryError as err:
         raise ran_out(err, plan.run_op.loc) from None

@@ -211,7 +211,7 @@ def side_sexpgpu(args: argparse.Namespace, sets: list[str]) -> dict[str, Any]:
         result.update(build_lowering(plan))
         result["status"] = "built"
         return result
-    from sexpgpu.devices import open_device
+    from sexpgpu.backends.devices import open_device
 
     started = time.perf_counter()
     executor = open_device(args.device, "run")

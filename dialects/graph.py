@@ -41,7 +41,8 @@ class ShapeError(VerifyError):
 
 
 def show_shape(shape: Sequence[int]) -> str:
-    return "[" + " ".join(str(d) for d in shape) + "]"
+    """A shape as messages and reports write it: `[4, 128, 50304]` (the explain page's spelling)."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def normalize_axis(axis: int, rank: int, what: str = "axis") -> int:

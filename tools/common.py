@@ -29,7 +29,7 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_flag(parser: argparse.ArgumentParser, purpose: str) -> None:
-    from ..devices import DEVICES, default_device
+    from ..backends.devices import DEVICES, default_device
 
     parser.add_argument("--device", choices=DEVICES, default=default_device(),
                         help=f"{purpose} (default: $SEXPGPU_DEVICE or cpu)")

@@ -19,9 +19,9 @@ with a graph (docs/cuda.md, "Running on the device"):
   pinned staging buffers (`PinnedStaging`), so the host copies a batch while
   the device still runs what came before.
 - `stacking` chooses how many microbatches one `train_stacked` call runs.
-- `lowering_report()` is the lowering report of the experiment's graphs: the lowering document
-  (`passes/lowering_report.py`) of what this executor lowered, the chosen `train stacked` row and the
-  device's facts, rendered by `sexpgpu.report.render_lowering` (the renderer `explain` uses).
+- `lowering_facts()` is what the lowering report says of the experiment's graphs: the lowering document
+  (`passes/lowering_report.py`) of what this executor lowered, with the chosen `train stacked` row, and the
+  device's facts; the layer above renders them (`sexpgpu.report.lowering_text`, as `explain` does).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import numpy as np
 
 from ...diagnostics import SxError
 from ...dialects.core import Operation
+from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs
 from ...dialects.parser import parse_module
 from ...dialects.printer import print_module, print_op
-from ...passes.lowering_report import lowering_document
+from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit
-from ...report import DeviceFacts, apply_device, graph_title
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
@@ -235,7 +235,7 @@ class CudaExecutor(Executor):
         self.stacked = (chosen, candidates)
         return chosen
 
-    def lowering_document(self) -> dict[str, Any] | None:
+    def lowering_facts(self) -> LoweringFacts | None:
         """The lowering document (`passes.lowering_report`) of the experiment's graphs as this executor lowered
         them, with the chosen `train stacked` row, and what the opened device tells; None before any was
         compiled."""
@@ -248,7 +248,7 @@ class CudaExecutor(Executor):
         if self.stacked_lowering is not None:
             _add_stacked_rows(document, self.experiment.module, self.stacked_lowering, arch, self.device)
         document["stacking"]["planned"] = self.stacked[0] if self.stacked is not None else None
-        return apply_device(document, self.device_facts())
+        return LoweringFacts(document, self.device_facts())
 
     def device_facts(self) -> DeviceFacts:
         """What only the opened device tells the report: its name, memory, the stacking chosen, the graphs

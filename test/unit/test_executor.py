@@ -15,6 +15,7 @@ import pytest
 import sexpgpu.backends.executor as executor_registry
 import sexpgpu.backends.training as training
 from attrs import define
+from sexpgpu.backends.devices import open_device, require_available
 from sexpgpu.backends.executor import (
     Executable,
     ExecutorUnavailable,
@@ -26,7 +27,6 @@ from sexpgpu.backends.interpreter import InterpreterExecutor
 from sexpgpu.backends.training import Trainer, TrainingPlan
 from sexpgpu.dialects.core import Operation
 
-from sexpgpu.devices import open_device, require_available
 from sexpgpu.diagnostics import SxError, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

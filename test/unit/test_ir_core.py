@@ -94,7 +94,7 @@ def test_builder_inference_error_names_shapes_and_location():
         b.create("graph.reshape", [x], {"shape": [3]})
     assert err.value.loc == Location("model.sx", 3, 7)
     y = b.value("graph.reshape", x, shape=[2, 2])
-    with pytest.raises(ShapeError, match=r"operands have shapes \[4\] and \[2 2\]"):
+    with pytest.raises(ShapeError, match=r"operands have shapes \[4\] and \[2, 2\]"):
         b.create("graph.add", [x, y])
 
 
