@@ -72,24 +72,14 @@ def new_graph(module: Operation, after: Operation, name: str, **attributes) -> O
     return func
 
 
-def copy_op(op: Operation, values: dict[Value, Value], builder: Builder) -> Operation:
-    """A copy of `op` at the builder's insertion point, its operands mapped through `values`."""
-    copy = builder.create(op.name, [values[v] for v in op.operands], dict(op.attributes),
-                          result_types=[r.type for r in op.results], loc=op.loc)
-    for old, new in zip(op.results, copy.results):
-        values[old] = new
-    return copy
-
-
 def clone_graph(module: Operation, train: Operation, name: str, skip: Iterable[str] = (), **attributes) -> Operation:
     """A copy of `train` named `name`, without the ops named in `skip`."""
     func = new_graph(module, train, name, **{**train.attributes, **attributes})
-    builder = Builder(func.body)
     values: dict[Value, Value] = {}
     skipped = set(skip)
     for op in train.body.ops:
         if op.name not in skipped:
-            copy_op(op, values, builder)
+            func.body.append(op.clone(values))
     return func
 
 
@@ -185,7 +175,7 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
             stacked[op.result] = builder.create(op.name, [], dict(op.attributes),
                                                 result_types=[t.with_shape((k,) + t.shape)], loc=op.loc).result
         else:
-            copy_op(op, shared, builder)
+            builder.insert(op.clone(shared))
     ret = train.body.last_op
     outputs: list[list[Value]] = [[] for _ in ret.operands]
     emitted: dict[tuple[str, str], list[Value]] = {}
@@ -199,7 +189,7 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
             if has_trait(op, Trait.EMIT):
                 emitted.setdefault((op.name, emit_name(op)), []).append(values[op.operands[0]])
             elif op.name not in ("graph.input", "graph.return"):
-                copy_op(op, values, builder)
+                builder.insert(op.clone(values))
         for index, value in enumerate(ret.operands):
             outputs[index].append(values[value])
     builder.loc = ret.loc
