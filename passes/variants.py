@@ -37,13 +37,23 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
+from typing import Any
 
 from attrs import define
 
 from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
 from ..dialects.exp import REDUCERS
-from ..dialects.graph import emit_name, func_kind, input_name, input_role, is_input, return_names
+from ..dialects.graph import (
+    emit_name,
+    func_kind,
+    graph_funcs,
+    input_name,
+    input_role,
+    is_derived,
+    is_input,
+    return_names,
+)
 from ..dialects.traits import Trait, has_trait
 from .autodiff import GRAD_PREFIX, func_name
 from .manager import CompilationUnit, Pass, register_pass
@@ -157,13 +167,16 @@ class Stack(Pass):
         build_stacked(module, train_graph(module, needs_grads=True), self.k)
 
 
-def build_stacked(module: Operation, train: Operation, k: int, accumulating: bool = False) -> Operation:
+def build_stacked(module: Operation, train: Operation, k: int, accumulating: bool = False,
+                  suffix: str = "", **attributes: Any) -> Operation:
     """`@train_stacked` for k microbatches; with `accumulating`, `@train_stacked_accumulating` (kind
     `train_stacked`, `accumulating = true`), which adds the k gradients into `grad/<path>` inputs as
-    `@train_accumulating` does: what a device runs for the second and later k microbatches of a step."""
-    name = "train_stacked_accumulating" if accumulating else "train_stacked"
+    `@train_accumulating` does: what a device runs for the second and later k microbatches of a step.
+    `suffix` follows the name; `attributes` are added to the graph's."""
+    name = ("train_stacked_accumulating" if accumulating else "train_stacked") + suffix
     extra = {"accumulating": True} if accumulating else {}
-    func = new_graph(module, train, name, **{**train.attributes, "kind": "train_stacked", "k": k, **extra})
+    func = new_graph(module, train, name, **{**train.attributes, "kind": "train_stacked", "k": k, **extra,
+                                             **attributes})
     builder = Builder(func.body)
     shared: dict[Value, Value] = {}
     stacked: dict[Value, Value] = {}
@@ -202,6 +215,45 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
     if accumulating:
         add_previous_gradients(func)
     return func
+
+
+@register_pass
+@define
+class StackVariants(Pass):
+    """Adds the stacked train graphs of every stacking degree a device may choose, for the training driver.
+
+    Guarantees: `@train` is unchanged; for each divisor k > 1 of the run's
+    microbatches there is `@"train_stacked/<k>"` (as `stack{k}` builds it) and,
+    when k is less than the microbatches, `@"train_stacked_accumulating/<k>"`,
+    both `derived`; a run of one microbatch gets none.
+    """
+
+    name = "stack-variants"
+    summary = "add @train_stacked/<k> (and its accumulating twin) for each divisor k > 1 of the microbatches"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = unit.require_module(self.name)
+        for func in graph_funcs(module):
+            if is_derived(func) and func_kind(func) == "train_stacked":
+                func.erase()
+        microbatches = _microbatches(module)
+        if microbatches < 2:
+            return
+        train = train_graph(module, needs_grads=True)
+        # Each graph is placed right after @train: the largest degree ends up first.
+        for k in (k for k in range(2, microbatches + 1) if microbatches % k == 0):
+            if k < microbatches:
+                build_stacked(module, train, k, accumulating=True, suffix=f"/{k}", derived=True)
+            build_stacked(module, train, k, suffix=f"/{k}", derived=True)
+
+
+def stack_variants(module: Operation) -> dict[int, list[Operation]]:
+    """The graphs `stack-variants` added, by degree: `@train_stacked/<k>`, then its accumulating twin if any."""
+    variants: dict[int, list[Operation]] = {}
+    for func in graph_funcs(module):
+        if is_derived(func) and func_kind(func) == "train_stacked":
+            variants.setdefault(int(func.attributes["k"]), []).append(func)
+    return {k: sorted(funcs, key=lambda f: f.attributes.get("accumulating") is True) for k, funcs in variants.items()}
 
 
 def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
