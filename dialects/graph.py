@@ -644,6 +644,13 @@ def is_derived(func: Operation) -> bool:
     return func.attributes.get("derived") is True
 
 
+def erase_derived(module: Operation, *kinds: str) -> None:
+    """Erase the derived graphs of these kinds from a module (a pass that adds them, run again, replaces them)."""
+    for func in graph_funcs(module):
+        if is_derived(func) and func_kind(func) in kinds:
+            func.erase()
+
+
 def return_names(ret: Operation) -> list[str]:
     """The names of a `graph.return`'s operands: the graph's outputs, in order."""
     return ret.attributes["names"]

@@ -41,7 +41,7 @@ from attrs import define
 
 from ..dialects.core import Builder, Operation, Region, TensorType, Value
 from ..dialects.exp import CLIP_EPS
-from ..dialects.graph import func_kind, graph_funcs, input_name, is_derived
+from ..dialects.graph import erase_derived, func_kind, graph_funcs, input_name, is_derived
 from ..dialects.traits import Trait, has_trait
 from .manager import CompilationUnit, Pass, register_pass
 
@@ -207,9 +207,7 @@ class FlattenUpdates(Pass):
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        for func in graph_funcs(module):
-            if is_derived(func) and func_kind(func) in ("update", "clip"):
-                func.erase()
+        erase_derived(module, "update", "clip")
         groups: dict[str, list[Operation]] = {}
         for func in graph_funcs(module):
             if func_kind(func) == "update":

@@ -23,10 +23,10 @@ from attrs import define
 
 from ..diagnostics import Location
 from ..dialects.core import Builder, Operation, Region, TensorType
-from ..dialects.graph import func_kind, graph_funcs, is_derived, return_names
+from ..dialects.graph import erase_derived, func_kind, graph_funcs, is_derived, return_names
 from .flat_updates import flat_layout
 from .manager import CompilationUnit, Pass, register_pass
-from .variants import train_graph
+from .variants import run_microbatches, train_graph
 
 #: The name of the scaling graph's input and output for the flat gradient array.
 FLAT_GRADS = "flat-grads"
@@ -48,11 +48,8 @@ class ScaleGradients(Pass):
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        for func in graph_funcs(module):
-            if is_derived(func) and func_kind(func) == "scale":
-                func.erase()
-        run = next((op for op in module.body.ops if op.name == "exp.run"), None)
-        microbatches = int(run.attributes.get("microbatches", 1)) if run is not None else 1
+        erase_derived(module, "scale")
+        microbatches = run_microbatches(module)
         if microbatches < 2:
             return
         train = train_graph(module, needs_grads=True)
@@ -61,6 +58,7 @@ class ScaleGradients(Pass):
         types = {f"grad/{path}": returned[f"grad/{path}"] for path in _update_params(module) if path not in layout}
         if layout:
             types[FLAT_GRADS] = TensorType((max(end for _, end in layout.values()),), "f32")
+        run = next(op for op in module.body.ops if op.name == "exp.run")
         module.body.append(scaling_graph(types, 1.0 / microbatches, run.loc))
 
 

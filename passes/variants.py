@@ -46,6 +46,7 @@ from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType
 from ..dialects.exp import REDUCERS
 from ..dialects.graph import (
     emit_name,
+    erase_derived,
     func_kind,
     graph_funcs,
     input_name,
@@ -233,10 +234,8 @@ class StackVariants(Pass):
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        for func in graph_funcs(module):
-            if is_derived(func) and func_kind(func) == "train_stacked":
-                func.erase()
-        microbatches = _microbatches(module)
+        erase_derived(module, "train_stacked")
+        microbatches = run_microbatches(module)
         if microbatches < 2:
             return
         train = train_graph(module, needs_grads=True)
@@ -295,7 +294,7 @@ class Diagnose(Pass):
 
 def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Operation]) -> Operation:
     func = clone_graph(module, train, "train_diagnosed", kind="train_diagnosed")
-    microbatches = _microbatches(module)
+    microbatches = run_microbatches(module)
     # A gradient diagnostic reduces the step's gradient, not one microbatch's: the graph then runs as the
     # step's last microbatch, adding into the gradients so far, and reduces their mean.
     accumulates = microbatches > 1 and any(d.attributes["of"]["kind"] == "grads" for d in diagnostics)
@@ -323,7 +322,8 @@ def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Opera
     return func
 
 
-def _microbatches(module: Operation) -> int:
+def run_microbatches(module: Operation) -> int:
+    """The microbatches a step of the module's `exp.run` takes (1 without one)."""
     runs = [op for op in module.body.ops if op.name == "exp.run"]
     return int(runs[0].attributes.get("microbatches", 1)) if runs else 1
 
