@@ -17,8 +17,10 @@ import tracemalloc
 import pytest
 from sexpgpu.dialects.core import TensorType
 from sexpgpu.frontend import limits, tracer
+from sexpgpu.frontend.calls import Builtin, invoke
 from sexpgpu.frontend.data import Keyword, SxList, SxVector, Symbol
-from sexpgpu.frontend.evaluator import Builtin, Evaluator, invoke, run_deep
+from sexpgpu.frontend.deep import run_deep
+from sexpgpu.frontend.evaluator import Evaluator
 from sexpgpu.frontend.printing import show
 from sexpgpu.frontend.reader import read_text
 from sexpgpu.frontend.tracer import Trace, tracing
