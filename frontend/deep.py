@@ -3,19 +3,19 @@
 Analysed .sx code recurses in Python a few frames per .sx call and per nested form, so
 a deep recursion or a deeply nested form needs far more stack than the main thread has.
 `run_deep` runs a body on a thread whose stack and recursion limit fit the evaluator's
-bounds (`limits.MAX_CALL_DEPTH`, `limits.MAX_NESTING`).
+bounds (`limits.MAX_CALL_DEPTH`, `limits.MAX_NESTING`), and hands it Ctrl-C while it
+runs (`sexpgpu.interruption`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..diagnostics import SxError
+from ..interruption import handed_over, start_worker, taken_here
 from .limits import MAX_CALL_DEPTH, MAX_NESTING
 
 #: Python frames the analysed code may use: a few per .sx call and per nested form, with room to spare.
@@ -29,15 +29,15 @@ _STACK_SIZES = (_THREAD_STACK_BYTES, 256 << 20, 64 << 20, 16 << 20)
 #: take none; a recursion through C takes some (`=` on nested lists: about 280 bytes a frame,
 #: measured on CPython 3.11), so this leaves a margin of seven.
 _STACK_BYTES_PER_FRAME = 2 << 10
-#: Seconds a Ctrl-C waits for the evaluation to stop before the process leaves it behind.
-_INTERRUPT_GRACE = 2.0
 
 
 def run_deep(body: Callable[[], Any]) -> Any:
     """Run `body` where deep recursion of analysed code fits (a thread with a large stack).
 
-    Ctrl-C interrupts it: the `KeyboardInterrupt` the main thread gets is raised in the
-    evaluation thread too, so a long evaluation stops and the interrupt reaches the caller.
+    Ctrl-C interrupts it (`sexpgpu.interruption`): while the thread runs, an interrupt is
+    raised in it, so a long evaluation stops and the `KeyboardInterrupt` reaches the caller
+    once the thread has ended; one that came while the thread was starting or finishing is
+    raised in the caller then.
     """
     if getattr(_deep, "active", False):
         return body()
@@ -47,18 +47,20 @@ def run_deep(body: Callable[[], Any]) -> Any:
     def target() -> None:
         _deep.active = True
         try:
-            result.append(body())
+            with taken_here():
+                result.append(body())
         except BaseException as e:  # handed to the calling thread as is
             error.append(e)
 
     old_limit = sys.getrecursionlimit()
-    try:
-        thread = _start_deep_thread(target, old_limit)
-        # `_join` returns or raises only once the thread has ended, so the limit (the process's) is never
-        # lowered under a thread deep in its recursion, which would abort the process.
-        _join(thread)
-    finally:
-        sys.setrecursionlimit(old_limit)
+    with handed_over():
+        try:
+            thread = _start_deep_thread(target, old_limit)
+            thread.join()
+        finally:
+            # Only once the thread has ended: the limit is the process's, and lowering it under
+            # a thread deep in its recursion aborts the process.
+            sys.setrecursionlimit(old_limit)
     if error:
         raise error[0]
     return result[0]
@@ -87,7 +89,7 @@ def _start_deep_thread(target: Callable[[], None], old_limit: int) -> threading.
             sys.setrecursionlimit(max(old_limit, limit))
             try:
                 threading.stack_size(size)
-                thread.start()
+                start_worker(thread)
             except (RuntimeError, ValueError, MemoryError):
                 if size == sizes[-1]:
                     raise SxError(
@@ -99,24 +101,6 @@ def _start_deep_thread(target: Callable[[], None], old_limit: int) -> threading.
     finally:
         threading.stack_size(old_size)
     raise AssertionError("unreachable")
-
-
-def _join(thread: threading.Thread) -> None:
-    """Wait for `thread`; on Ctrl-C, interrupt it and wait a little for it to stop.
-
-    A thread still running after that is left with the process: it ends at once with Ctrl-C's status,
-    because finalizing the interpreter under a thread deep in its recursion can abort the process.
-    """
-    try:
-        thread.join()
-    except KeyboardInterrupt:
-        if thread.ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
-        thread.join(_INTERRUPT_GRACE)
-        if thread.is_alive():
-            os.write(2, b"interrupted\n")
-            os._exit(130)
-        raise
 
 
 _deep = threading.local()
