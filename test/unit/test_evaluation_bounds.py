@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
@@ -275,6 +276,37 @@ def _interrupt(path, point, rng):
     finally:
         proc.kill()
     return proc.returncode, "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+
+
+def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
+    """In process, with Python's own SIGINT handler: the interrupt stops the evaluation thread 3,000
+    frames deep, and the caller gets it only once the thread has unwound, under its own recursion
+    limit (lowering the process's limit under a deep thread can abort the process)."""
+    deep = threading.Event()
+    unwound = []
+
+    def down(n):
+        if n == 0:
+            deep.set()
+            while True:
+                pass
+        return down(n - 1) + 1
+
+    def body():
+        try:
+            return down(3000)
+        finally:
+            unwound.append(sys.getrecursionlimit())
+
+    def interrupt_when_deep():
+        assert deep.wait(60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    limit = sys.getrecursionlimit()
+    threading.Thread(target=interrupt_when_deep, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_deep(body)
+    assert unwound and unwound[0] > limit and sys.getrecursionlimit() == limit, (unwound, limit)
 
 
 def test_ctrl_c_at_any_point_of_a_run_ends_it_interrupted_under_load(tmp_path):
