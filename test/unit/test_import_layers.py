@@ -1,6 +1,6 @@
 """The package's imports follow its layers and form no cycle.
 
-Layers, lowest first: `base` (diagnostics, version, float text) ← `dialects`
+Layers, lowest first: `base` (diagnostics, version, float text, where a Ctrl-C goes) ← `dialects`
 ← `frontend` (which feeds the dialects) ← `passes` ← `backends` ← `top` (the
 Python API and the tools). A module may import its own layer and the layers
 its layer lists below; a backend never imports the frontend. Every import
@@ -40,6 +40,7 @@ LAYER_OF = {
     "sexpgpu.diagnostics": "base",
     "sexpgpu.float_text": "base",
     "sexpgpu.byte_text": "base",
+    "sexpgpu.interruption": "base",
     "sexpgpu.dialects": "dialects",
     "sexpgpu.frontend": "frontend",
     "sexpgpu.passes": "passes",
