@@ -63,6 +63,7 @@ from ..dialects.parser import parse_module
 from ..dialects.printer import print_op
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE
+from ..passes.plan_buffers import MEMBER_ALIGNMENT, member_offsets
 from ..passes.variants import build_stacked
 from ..version import __version__
 from .checkpoint import (
@@ -82,6 +83,10 @@ from .progress import ProgressReporter, Throughput, format_metrics, format_secon
 _LOCATION = re.compile(r' loc\([^)]*\)')
 #: The scaling graph's name for the flat gradient array (the other inputs are `grad/<path>`).
 _FLAT_GRADS = "flat-grads"
+
+#: Each member of the flat parameter, gradient and state arrays (float32) starts at a multiple of this
+#: many elements: plan-buffers' member alignment, 256 bytes.
+FLAT_MEMBER_ALIGNMENT = MEMBER_ALIGNMENT // 4
 
 
 @frozen
@@ -256,7 +261,8 @@ class DeviceSetup:
         sizes = {op.attributes["path"]: op.attributes["type"].numel for op in plan.param_ops}
         for funcs in members.values():
             paths = [str(func.attributes["param"]) for func in funcs]
-            flat = flat_update_graph(funcs, sum(sizes[path] for path in paths)) if len(funcs) > 1 else None
+            span = member_offsets([sizes[path] for path in paths], FLAT_MEMBER_ALIGNMENT)[1]
+            flat = flat_update_graph(funcs, span) if len(funcs) > 1 else None
             if flat is not None:
                 self.flat_groups.append((compile_func(flat), paths))
 
@@ -272,13 +278,13 @@ class DeviceSetup:
         """
         ex = self.executor
         shapes = {str(op.attributes["path"]): tuple(op.attributes["type"].shape) for op in self.plan.param_ops}
-        #: param path → its (start, end) in the flat arrays
-        self.flat_bounds: dict[str, tuple[int, int]] = {}
-        end = 0
-        for _, paths in self.flat_groups:
-            for path in paths:
-                self.flat_bounds[path] = (end, end + math.prod(shapes[path]))
-                end = self.flat_bounds[path][1]
+        #: param path → its (start, end) in the flat arrays: each member starts 256-byte aligned, as the
+        #: persistent arena's members do (plan-buffers), so vectorized kernels may take its view
+        paths = [path for _, group in self.flat_groups for path in group]
+        sizes = [math.prod(shapes[path]) for path in paths]
+        starts, end = member_offsets(sizes, FLAT_MEMBER_ALIGNMENT)
+        self.flat_bounds: dict[str, tuple[int, int]] = {
+            path: (start, start + size) for path, start, size in zip(paths, starts, sizes)}
         self.flat_numel = end
         self.flat_params = ex.zeros((end,), "f32")
         self.flat_grads = ex.zeros((end,), "f32")
@@ -333,8 +339,11 @@ class DeviceSetup:
             bounds = [self.flat_bounds[path] for path in paths if path in self.flat_bounds]
             start = min((a for a, _ in bounds), default=0)
             stop = max((b for _, b in bounds), default=0)
-            # Over the flat array when every member is in it and together they fill one span of it.
-            if bounds and len(bounds) == len(paths) and sum(b - a for a, b in bounds) == stop - start:
+            # Over the flat array when every member is in it and together they fill one span of it (the
+            # members one after the other, as the flat arrays lay them out).
+            ordered = sorted(bounds)
+            laid_out = member_offsets([b - a for a, b in ordered], FLAT_MEMBER_ALIGNMENT)
+            if bounds and len(bounds) == len(paths) and laid_out == ([a - start for a, _ in ordered], stop - start):
                 flat = flat_clip_graph(func, [(a - start, b - start) for a, b in bounds])
                 span = self.executor.view(self.flat_grads, start, (stop - start,))
                 self.clips.append((self.executor.compile(flat), span))

@@ -628,10 +628,21 @@ def test_cuda_results_become_errors():
          "cuMemcpyDtoDAsync failed: CUDA_ERROR_INVALID_VALUE"),
         ((FakeResult.CUDA_ERROR_INVALID_VALUE,), "cuLaunchKernel", {"kernel": "fused_3"}, KernelLaunchError,
          "kernel fused_3: cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE"),
-        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuStreamSynchronize", {"last_kernel": "softmax_2"},
-         KernelLaunchError, "kernel softmax_2: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS; the driver "
-         "reports a kernel's fault at the next call that waits, so it is this kernel or one launched shortly "
-         "before it (CUDA_LAUNCH_BLOCKING=1 reports it at the faulting launch)"),
+        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuStreamSynchronize",
+         {"last": driver_cuda.LastLaunch("softmax_2", "model.blocks.0.attn")},
+         KernelLaunchError, "kernel softmax_2 (model path model.blocks.0.attn): cuStreamSynchronize failed: "
+         "CUDA_ERROR_ILLEGAL_ADDRESS; a kernel's fault is reported by whatever call comes next, and this is the "
+         "last kernel launched, so it is this kernel or one launched shortly before it (CUDA_LAUNCH_BLOCKING=1 "
+         "reports it at the faulting launch)"),
+        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuLaunchKernel",
+         {"kernel": "fused_4", "last": driver_cuda.LastLaunch("fill_3", "model.head", graph_kernels=40)},
+         KernelLaunchError, "kernel fill_3 (model path model.head): cuLaunchKernel failed: "
+         "CUDA_ERROR_ILLEGAL_ADDRESS; a kernel's fault is reported by whatever call comes next, and this is the "
+         "last of the 40 kernels of a replayed captured graph, so it is one of them (SEXPGPU_CAPTURE=off and "
+         "CUDA_LAUNCH_BLOCKING=1 name the one)"),
+        ((FakeResult.CUDA_ERROR_OUT_OF_MEMORY,), "cuModuleLoadData (train, sm_90)", {}, driver_cuda.DriverOutOfMemory,
+         "out of device memory: cuModuleLoadData (train, sm_90) failed (CUDA_ERROR_OUT_OF_MEMORY); the model or "
+         "the batch is too large for the memory left on the device"),
         ((FakeResult.CUDA_ERROR_NO_DEVICE,), "cuInit", {}, DeviceUnavailable,
          "the cuda device cannot open: no CUDA GPU (CUDA_ERROR_NO_DEVICE)"),
         ((FakeResult.CUDA_ERROR_INSUFFICIENT_DRIVER,), "cuInit", {}, DeviceUnavailable,
