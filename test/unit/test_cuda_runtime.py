@@ -22,6 +22,7 @@ import types
 import ml_dtypes
 import numpy as np
 import pytest
+from fake_cuda_driver import cubin_parameters
 from sexpgpu.backends.cuda import driver_cuda, driver_pycuda, selection
 from sexpgpu.backends.cuda.cublaslt import GemmSpec
 from sexpgpu.backends.cuda.driver_sim import SimRuntime
@@ -551,33 +552,6 @@ def test_arguments_are_packed_as_cuLaunchKernel_reads_them():
     bf16_bits = int(np.float32(0.1).astype(BF16).view(np.uint16))
     assert read == [*values[:9], 1.5, 1e300, bf16_bits]
     assert packed.address == ctypes.addressof(packed.pointers)
-
-
-def cubin_parameters(image: bytes) -> dict[str, list[tuple[int, int]]]:
-    """Each kernel's (offset, size) per parameter, read from a CUBIN's `.nv.info.<kernel>` sections
-    (EIATTR_KPARAM_INFO records: ordinal, offset, and the size in bits 18-31 of their flags)."""
-    section_offset, = struct.unpack_from("<Q", image, 0x28)
-    entry_size, count, names_index = struct.unpack_from("<HHH", image, 0x3A)
-    sections = [struct.unpack_from("<I4xQ8xQQ", image, section_offset + i * entry_size) for i in range(count)]
-    names_at = sections[names_index][2]
-    kernels = {}
-    for name_at, _, at, size in sections:
-        name = image[names_at + name_at : image.index(b"\0", names_at + name_at)].decode()
-        if not name.startswith(".nv.info."):
-            continue
-        params, end = {}, at + size
-        while at < end:
-            form, attribute = image[at], image[at + 1]
-            if form == 4:  # EIFMT_SVAL: a 16-bit length, then the value
-                length, = struct.unpack_from("<H", image, at + 2)
-                if attribute == 0x17:  # EIATTR_KPARAM_INFO
-                    _, ordinal, offset, flags = struct.unpack_from("<IHHI", image, at + 4)
-                    params[ordinal] = (offset, (flags >> 18) & 0x3FFF)
-                at += 4 + length
-            else:  # EIFMT_NVAL, _BVAL, _HVAL: the value (if any) in the record's last 2 bytes
-                at += 4
-        kernels[name.removeprefix(".nv.info.")] = [params[i] for i in sorted(params)]
-    return kernels
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
