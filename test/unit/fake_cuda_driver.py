@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from attrs import define
 from cuda.bindings import driver as REAL
 from sexpgpu.backends.cuda import cublaslt
 from sexpgpu.backends.cuda.nvrtc import cubin_arch
@@ -225,19 +226,19 @@ class Injected(Exception):
         self.result = result
 
 
+@define
 class Pending:
     """An asynchronous copy touching page-locked host memory, not yet known to have run."""
 
-    def __init__(self, call: str, host: int, nbytes: int, reads: bool, snapshot: bytes | None,
-                 deliver: Callable[[], None] | None) -> None:
-        self.call = call
-        self.host = host
-        self.nbytes = nbytes
-        self.reads = reads
-        self.snapshot = snapshot
-        self.deliver = deliver
-        #: Set once a synchronization showed the copy has run.
-        self.done = False
+    call: str
+    host: int
+    nbytes: int
+    reads: bool
+    snapshot: bytes | None
+    #: For a copy into host memory: what moves the bytes, when a synchronization shows the copy ran.
+    deliver: Callable[[], None] | None
+    #: Set once a synchronization showed the copy has run.
+    done: bool = False
 
 
 def driver_call(function: Callable) -> Callable:
