@@ -9,3 +9,7 @@ TRAINING_PIPELINE = (
 #: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
 #: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
 CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"
+
+#: What `sexpgpu sample` compiles: the training pipeline, whose module's fingerprint is the run's, with
+#: the model's forward for one sequence (`@sample`) traced too and cleaned by the same passes.
+SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=true},", 1)
