@@ -96,7 +96,8 @@ class IdTokenizer(Tokenizer):
         return " ".join(str(t) for t in tokens)
 
     def streamer(self) -> Callable[[int], str]:
-        return lambda token: f" {token}"
+        separators = iter(("",))
+        return lambda token: f"{next(separators, ' ')}{token}"
 
 
 class TiktokenTokenizer(Tokenizer):

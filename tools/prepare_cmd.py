@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
     result = prepare(args.text, tokenizer_named(args.tokenizer), args.out, args.val, args.format,
                      stream=sys.stderr, interactive=sys.stderr.isatty())
     if result.dtype == "u32":
-        print(f"the {result.tokenizer} vocabulary does not fit uint16: the tokens are uint32 "
-              "(read them with (token-file … :dtype u32))", file=sys.stderr)
-    for name, (path, count) in result.files.items():
+        how = "llm.c's uint32 header, magic 20240801 version 7" if result.format == "llmc" else "read them with :dtype u32"
+        print(f"the {result.tokenizer} vocabulary does not fit uint16: the tokens are uint32 ({how})", file=sys.stderr)
+    for path, count in result.files.values():
         print(f"wrote {display_path(str(path))}: {count:,} {result.dtype} tokens ({result.format})")
     print(f"{sum(count for _, count in result.files.values()):,} tokens in {result.seconds:.1f}s, "
           f"{result.tokens_per_s:,.0f} tok/s")
