@@ -163,13 +163,20 @@ class Sampler:
             raise SxError(f"the prompt encodes to no tokens ({self.tokenizer_name}); give at least one character")
         for position, token in enumerate(tokens):
             if not 0 <= token < self.vocab:
-                shown = repr(self.tokenizer.decode([token])) if self.tokenizer_name != "none" else str(token)
-                raise SxError(f"the prompt cannot be encoded for this model: its token {position + 1}, {shown}, is id "
-                              f"{token}, outside the model's vocabulary of {self.vocab} (ids 0 to {self.vocab - 1})")
+                raise SxError(f"the prompt cannot be encoded for this model: {self._describe(text, tokens, position)} is "
+                              f"id {token}, outside the model's vocabulary of {self.vocab} (ids 0 to {self.vocab - 1})")
         if len(tokens) > self.window:
             raise SxError(f"the prompt is {len(tokens)} tokens, longer than the model's window of {self.window} "
                           "tokens; shorten it")
         return tokens
+
+    def _describe(self, text: str, tokens: list[int], position: int) -> str:
+        """Token `position` of the prompt `text`, with the character it comes from."""
+        if self.tokenizer_name == "none":
+            return f"its token {position + 1}"
+        # The text before the token, less a character the token completes (decoded as U+FFFD so far).
+        offset = len(self.tokenizer.decode(tokens[:position]).rstrip("\ufffd"))
+        return f"its token {position + 1}, from the character {text[offset]!r} at offset {offset},"
 
     def _logits(self, context: list[int], pad: int) -> np.ndarray:
         window = np.full((1, self.window), pad, dtype=self.tokens_dtype)
