@@ -17,6 +17,7 @@ into place when whole: a failure writes nothing.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -145,7 +146,7 @@ class _Progress:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.total = max(total_bytes, 1)
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr
         self.started = time.perf_counter()
         self.tokens = 0
         self.read = 0
@@ -179,7 +180,8 @@ class _Progress:
 
 def prepare(paths: list[str | Path], tokenizer: Tokenizer, out_dir: str | Path, val: float = DEFAULT_VAL,
             format: str = "nanogpt", stream: object = None, interactive: bool = False) -> Prepared:  # noqa: A002
-    """Encode the text files into `out_dir/train.bin` and `out_dir/val.bin` (see the module docstring)."""
+    """Encode the text files into `out_dir/train.bin` and `out_dir/val.bin` (see the module docstring);
+    the progress goes to `stream` (standard error by default), as a bar when `interactive`."""
     if format not in FORMATS:
         raise UsageError(f"--format must be nanogpt or llmc, not {format}")
     if not 0 < val < 1:
