@@ -16,9 +16,11 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+from sexpgpu.backends import tokenizers
 from sexpgpu.backends.events import read_events
 from sexpgpu.backends.sampling import Sampler, locate_run
 from sexpgpu.backends.training import train
+from sexpgpu.tools.main import main
 from test_run import EXAMPLE, ROOT, SMALL, run_cli, step_losses
 
 from sexpgpu.devices import open_device
@@ -112,3 +114,25 @@ def test_prepare_llmc_then_a_run_gives_the_losses_of_the_bundled_files(tmp_path)
     evals = [[e["metrics"] for e in read_events(run / "events.jsonl") if e["type"] == "eval"]
              for run in (tmp_path / "bundled", tmp_path / "from-prepared")]
     assert evals[0] == evals[1] and evals[0]
+
+
+def test_a_gpt2_run_encodes_the_prompt_and_decodes_with_its_tokenizer(tmp_path, monkeypatch, capsys):
+    """prepare (GPT-2's tokenizer: here a small BPE built in the process), train on it, sample: the text
+    round-trips through the run's tokenizer, named by its loaders."""
+    monkeypatch.syspath_prepend(str(ROOT / "test" / "unit"))
+    from test_tokenizers import small_bpe
+
+    encoding = small_bpe()
+    monkeypatch.setattr(tokenizers, "load_gpt2_encoding", lambda: encoding)
+    assert main(["prepare", "examples/data/corpus.txt", "--tokenizer", "gpt2", "--out", str(tmp_path)]) == 0
+    experiment = tmp_path / "bpe.sx"
+    experiment.write_text(EXAMPLE.read_text().replace(":vocab 256", f":vocab {encoding.n_vocab}")
+                          .replace('"data/train.u16" :tokenizer bytes', f'"{tmp_path}/train.bin" :tokenizer gpt2')
+                          .replace('"data/val.u16" :tokenizer bytes', f'"{tmp_path}/val.bin" :tokenizer gpt2'))
+    train(str(experiment), "smoke", {"steps": 3, "eval-every": 1000}, tmp_path / "run", stream=io.StringIO())
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "the band", "--tokens", "5", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["tokenizer"] == "gpt2"
+    assert document["prompt"] == {"text": "the band", "tokens": encoding.encode_ordinary("the band")}
+    assert document["samples"][0]["text"] == encoding.decode(document["samples"][0]["tokens"], errors="replace")
