@@ -14,7 +14,8 @@ source hashes of the experiment that wrote them) are all it reads:
 3. each new token runs the graph on the last `seq` tokens (the window slides
    once the text is longer), padded at the end; the logits at the last real
    position give the next token: greedy at temperature 0, else nanoGPT's
-   rule (divide by the temperature, keep the `top_k` largest, softmax, draw).
+   rule (divide by the temperature, keep the `top_k` largest, softmax, draw),
+   among the ids the model takes as input and the tokenizer can decode.
    The draws come from a generator keyed by (seed, sample index), so a seed
    fixes the text; greedy tokens depend on no draw and are the same on every
    device.
@@ -131,6 +132,9 @@ class Sampler:
         tokens_type = next(spec.type for spec in self.graph.inputs if spec.name == TOKENS_INPUT)
         self.window = int(tokens_type.shape[1])
         self.vocab = vocabulary_bounds(func).get(TOKENS_INPUT, self.tokenizer.vocab_size or 1 << 31)
+        #: The ids a new token may be: ones the model takes back as input and the tokenizer can decode
+        #: (a padded vocabulary's extra logits, GPT-2's 50304 for 50257 ids, are never drawn).
+        self.drawable = min(self.vocab, self.tokenizer.vocab_size or self.vocab)
         self.inputs = self._upload_params(func)
         self.tokens = executor.zeros(tuple(tokens_type.shape), tokens_type.dtype)
         self.tokens_dtype = FIELD_DTYPES[tokens_type.dtype]
@@ -205,7 +209,7 @@ class Sampler:
         context = list(prompt)
         for _ in range(count):
             log_probs = self.log_probs(context)
-            token = pick(log_probs, temperature, top_k, rng)
+            token = pick(log_probs[: self.drawable], temperature, top_k, rng)
             context.append(token)
             yield token, float(log_probs[token])
 

@@ -99,6 +99,20 @@ def test_a_prompt_with_characters_outside_the_model_vocabulary_is_one_clear_line
                              "at offset 3, is id 195, outside the model's vocabulary of 128 (ids 0 to 127)\n")
 
 
+def test_a_vocabulary_padded_past_the_tokenizer_never_yields_a_padding_id(tmp_path):
+    """A byte model with 300 logits: ids 256-299 have probability but no text; they are never drawn."""
+    experiment = tmp_path / "padded.sx"
+    experiment.write_text(EXAMPLE.read_text().replace(":vocab 256", ":vocab 300"))
+    shutil.copytree(ROOT / "examples" / "data", tmp_path / "data")
+    train(str(experiment), "smoke", {"steps": 3, "eval-every": 1000}, tmp_path / "run", stream=io.StringIO())
+    sampler = Sampler(locate_run(tmp_path / "run"), open_device("cpu", "sample"))
+    assert (sampler.vocab, sampler.drawable) == (300, 256)
+    prompt = sampler.encode_prompt("The ")
+    assert np.exp(sampler.log_probs(prompt)[256:]).sum() > 0.05
+    drawn = [t for t, _ in sampler.generate(prompt, 100, temperature=5.0, top_k=None, seed=3)]
+    assert max(drawn) < 256 and len(set(drawn)) > 20
+
+
 def test_prepare_llmc_then_a_run_gives_the_losses_of_the_bundled_files(tmp_path):
     prepared = tmp_path / "prepared"
     result = run_cli("prepare", "examples/data/corpus.txt", "--tokenizer", "bytes", "--out", str(prepared),
