@@ -28,7 +28,7 @@ the compiler is not built yet.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,47 @@ class Sampler:
             token = pick(log_probs[: self.drawable], temperature, top_k, rng)
             context.append(token)
             yield token, float(log_probs[token])
+
+
+#: What follows each sample in streamed text (nanoGPT's sample.py prints the same line).
+SEPARATOR = "---------------"
+
+
+def sample(run: str | Path, prompt: str = "\n", tokens: int = 200, temperature: float = 0.8, top_k: int | None = 200,
+           seed: int = 1337, samples: int = 1, device: str = "cpu", checkpoint: str | None = None,
+           force: bool = False, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Generate from a run as `sexpgpu sample` does; returns the `--json` document
+    (`sexpgpu/schemas/sample.schema.json`). `on_text` receives the text as it is made: each sample's
+    prompt, its new tokens' text, then a newline and `SEPARATOR`."""
+    from ..devices import open_device
+
+    source = locate_run(run, checkpoint)
+    sampler = Sampler(source, open_device(device, "sample"), force=force)
+    prompt_ids = sampler.encode_prompt(prompt)
+    top_k = top_k if temperature > 0 else None
+    emit = on_text or (lambda text: None)
+    made = []
+    for index in range(samples):
+        stream = sampler.tokenizer.streamer()
+        emit("".join(stream(token) for token in prompt_ids))
+        new, log_probs = [], []
+        for token, log_prob in sampler.generate(prompt_ids, tokens, temperature, top_k, seed, index):
+            new.append(token)
+            log_probs.append(log_prob)
+            emit(stream(token))
+        emit(f"\n{SEPARATOR}\n")
+        made.append({"tokens": new, "logprobs": log_probs, "text": sampler.tokenizer.decode(new)})
+    return {
+        "run": display_path(str(source.run_dir)),
+        "checkpoint": display_path(str(sampler.checkpoint.path)),
+        "step": sampler.checkpoint.step,
+        "device": device,
+        "tokenizer": sampler.tokenizer_name,
+        "window": sampler.window,
+        "settings": {"tokens": tokens, "temperature": temperature, "top_k": top_k, "seed": seed},
+        "prompt": {"text": sampler.tokenizer.decode(prompt_ids), "tokens": prompt_ids},
+        "samples": made,
+    }
 
 
 def pick(log_probs: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:

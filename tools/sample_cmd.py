@@ -6,14 +6,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from ..backends.sampling import Sampler, locate_run
+from ..backends.sampling import sample
 from ..diagnostics import SxError, UsageError, display_path
 from .common import add_device_flag
-
-#: What separates samples in the text output (nanoGPT's sample.py prints the same line).
-SEPARATOR = "---------------"
 
 
 def _at_least(minimum: int):
@@ -75,40 +71,12 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..devices import open_device
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
-    source = locate_run(args.run, args.checkpoint)
-    sampler = Sampler(source, open_device(args.device, "sample"), force=args.force)
-    prompt = sampler.encode_prompt(_prompt_text(args))
-    top_k = args.top_k if args.temperature > 0 else None
-    samples: list[dict[str, Any]] = []
-    for index in range(args.samples):
-        stream = sampler.tokenizer.streamer()
-        if not args.json:
-            text = "".join(stream(token) for token in prompt)
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        tokens, log_probs = [], []
-        for token, log_prob in sampler.generate(prompt, args.tokens, args.temperature, top_k, args.seed, index):
-            tokens.append(token)
-            log_probs.append(log_prob)
-            if not args.json:
-                sys.stdout.write(stream(token))
-                sys.stdout.flush()
-        if not args.json:
-            sys.stdout.write(f"\n{SEPARATOR}\n")
-        samples.append({"tokens": tokens, "logprobs": log_probs, "text": sampler.tokenizer.decode(tokens)})
+    document = sample(args.run, _prompt_text(args), args.tokens, args.temperature, args.top_k, args.seed, args.samples,
+                      args.device, args.checkpoint, args.force, on_text=None if args.json else stream)
     if args.json:
-        document = {
-            "run": display_path(str(source.run_dir)),
-            "checkpoint": display_path(str(sampler.checkpoint.path)),
-            "step": sampler.checkpoint.step,
-            "device": args.device,
-            "tokenizer": sampler.tokenizer_name,
-            "window": sampler.window,
-            "settings": {"tokens": args.tokens, "temperature": args.temperature, "top_k": top_k, "seed": args.seed},
-            "prompt": {"text": sampler.tokenizer.decode(prompt), "tokens": prompt},
-            "samples": samples,
-        }
         print(json.dumps(document, indent=2))
     return 0

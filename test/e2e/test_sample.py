@@ -23,6 +23,7 @@ from sexpgpu.backends.training import train
 from sexpgpu.tools.main import main
 from test_run import EXAMPLE, ROOT, SMALL, run_cli, step_losses
 
+import sexpgpu
 from sexpgpu.devices import open_device
 
 TRAINED = ["--variant", "smoke", "--set", "steps=60", "--set", "lr=0.01", "--set", "eval-every=1000"]
@@ -64,6 +65,15 @@ def test_json_gives_tokens_and_log_probabilities_and_matches_its_schema(trained)
         assert sample["text"] == bytes(sample["tokens"]).decode("utf-8", "replace")
         assert all(-30 < p <= 0 for p in sample["logprobs"])
     assert document["samples"][0]["tokens"] != document["samples"][1]["tokens"]
+
+
+def test_the_python_api_returns_the_json_document_and_streams_the_text(trained):
+    pieces: list[str] = []
+    document = sexpgpu.sample(str(trained), "The ", tokens=8, temperature=0, on_text=pieces.append)
+    cli = json.loads(run_cli("sample", str(trained), "--prompt", "The ", "--tokens", "8", "--temperature", "0",
+                             "--json").stdout)
+    assert document == cli
+    assert "".join(pieces) == "The " + document["samples"][0]["text"] + "\n---------------\n"
 
 
 def test_a_window_longer_than_the_model_slides(trained):
