@@ -224,7 +224,7 @@ def sample(run: str | Path, prompt: str = "\n", tokens: int = 200, temperature: 
     """Generate from a run as `sexpgpu sample` does; returns the `--json` document
     (`sexpgpu/schemas/sample.schema.json`). `on_text` receives the text as it is made: each sample's
     prompt, its new tokens' text, then a newline and `SEPARATOR`."""
-    from ..devices import open_device
+    from .devices import open_device
 
     source = locate_run(run, checkpoint)
     sampler = Sampler(source, open_device(device, "sample"), force=force)

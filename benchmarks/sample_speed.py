@@ -32,10 +32,9 @@ def main() -> int:
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    from sexpgpu.backends.devices import open_device
     from sexpgpu.backends.sampling import Sampler, locate_run
     from sexpgpu.backends.training import train
-
-    from sexpgpu.devices import open_device
 
     with tempfile.TemporaryDirectory() as scratch:
         run = args.run

@@ -47,6 +47,15 @@ MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diag
 OPTIMIZER_GRAPH_KINDS = ("clip", "update")
 #: Every kind of `graph.func`, in the order reports list graphs.
 GRAPH_KINDS = MODEL_GRAPH_KINDS + OPTIMIZER_GRAPH_KINDS
+#: The order reports list graphs in, by kind; a graph of no kind goes last.
+GRAPH_ORDER = {kind: i for i, kind in enumerate(GRAPH_KINDS)}
+#: How a `graph.func`'s kind reads in reports; evaluations and clip graphs read as their symbol.
+KIND_TITLES = {
+    "train": "train",
+    "train_accumulating": "train accumulating",
+    "train_stacked": "train stacked",
+    "train_diagnosed": "train diagnosed",
+}
 
 #: Each optimizer (`exp.group` `optimizer`) and the hyperparameters a group leaves out take:
 #: PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
@@ -143,3 +152,12 @@ class RunOp(_ExpOp):
         super().verify(op)
         if op.attributes["precision"] not in PRECISIONS:
             raise VerifyError(f"precision must be {' or '.join(PRECISIONS)}, got {op.attributes['precision']}", op)
+
+
+def graph_title(func: Operation) -> str:
+    """A `graph.func`'s row name in the reports: `train accumulating`, `update <group>` (a group's update
+    graphs share one row), else its symbol (an evaluation's name, a clip graph's)."""
+    kind = func.attributes.get("kind", "")
+    if kind == "update":
+        return f"update {func.attributes.get('group', func.attributes['sym_name'])}"
+    return KIND_TITLES.get(kind, func.attributes["sym_name"])

@@ -22,18 +22,10 @@ from ..diagnostics import Location, SxError, nearest
 from ..dialects.exp import OPTIMIZER_DEFAULTS, PRECISIONS, REDUCERS, TOKEN_FILE_FORMATS, TOKENIZERS
 from ..dialects.inits import Init
 from . import modules
+from .analysis import OPERAND_LOCATED, Env, register_special_form
+from .calls import Builtin, BuiltinError, Closure, argument_error, register_builtin
 from .data import Keyword, SxList, Symbol, element_loc
-from .evaluator import (
-    OPERAND_LOCATED,
-    Builtin,
-    BuiltinError,
-    Closure,
-    Defined,
-    Env,
-    argument_error,
-    register_builtin,
-    register_special_form,
-)
+from .evaluator import Defined
 from .experiment_definitions import (
     Checkpoints,
     DiagnosticDef,

@@ -24,8 +24,9 @@ from ..diagnostics import DiagnosticSink, Location, SxError
 from ..dialects.core import Operation, Region, SymbolRef, TensorType
 from ..dialects.exp import OPTIMIZER_DEFAULTS
 from ..dialects.inits import Init
+from .calls import invoke
 from .data import Keyword, TensorLike
-from .evaluator import in_expansions, invoke
+from .expansions import in_expansions
 from .experiment_definitions import (
     DiagnosticDef,
     EvaluationDef,

@@ -24,17 +24,10 @@ from attrs import define, field
 
 from ..diagnostics import Location, SxError
 from ..dialects.inits import Init
+from .analysis import Env, register_special_form
+from .calls import Builtin, Closure, invoke, register_builtin, user_location
 from .data import Keyword, SxList, Symbol
-from .evaluator import (
-    Builtin,
-    Closure,
-    Defined,
-    Env,
-    invoke,
-    register_builtin,
-    register_special_form,
-    user_location,
-)
+from .evaluator import Defined
 from .limits import MAX_PARAMS
 from .printing import short_int, show
 from .tracer import (

@@ -29,8 +29,9 @@ from ..diagnostics import Location, SxError
 from ..dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region, TensorType, Value
 from ..dialects.graph import ShapeError, broadcast_shapes, show_shape
 from ..dialects.traits import Trait, has_trait
+from .analysis import OPERAND_LOCATED
+from .calls import BUILTINS, register_builtin, user_location
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
-from .evaluator import BUILTINS, OPERAND_LOCATED, register_builtin, user_location
 from .limits import MAX_ELEMENTS, MAX_GRAPH_OPS
 from .printing import short_int
 

@@ -54,12 +54,12 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
-        from ..dialects.core import tune_gc_for_large_ir
-
-        tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         words = sys.argv[1:] if argv is None else argv
         chosen = next((w for w in words if not w.startswith("-")), None)
         args = build_parser(chosen).parse_args(words)
+        from ..dialects.core import tune_gc_for_large_ir
+
+        tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         if argv is None and args.verb in _ONE_SHOT:
             gc.disable()
         module = importlib.import_module(f"sexpgpu.tools.{VERBS[args.verb][0]}")

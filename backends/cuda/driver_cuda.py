@@ -26,6 +26,7 @@ import numpy as np
 
 from .cublaslt import WORKSPACE_BYTES, CublasLt
 from .errors import CudaToolchainMissing
+from .lowering import NvrtcCompiler
 from .runtime import (
     CapturedGraph,
     CaptureError,
@@ -44,7 +45,6 @@ from .runtime import (
     ParamType,
     Stream,
     check_fits,
-    cubin_image,
     declared_kernels,
     dim3,
     pack_arguments,
@@ -262,6 +262,7 @@ class CudaRuntime(DeviceRuntime):
         free, total = check(d.cuMemGetInfo(), "cuMemGetInfo")
         self.device = DeviceInfo(index, name.split(b"\0", 1)[0].decode(errors="replace"), total, free, capability,
                                  "cuda-python")
+        self.compiler = NvrtcCompiler(self.device.arch)
         self.default_stream = self.stream()
         self._allocations: dict[int, int] = {}
         self._last_kernel: str | None = None
@@ -346,7 +347,7 @@ class CudaRuntime(DeviceRuntime):
 
     def load_module(self, source: KernelSource) -> LoadedModule:
         d = self.driver
-        image = cubin_image(source, self.device.arch)
+        image = self.binary(source).image
         module = self._check(d.cuModuleLoadData(image), f"cuModuleLoadData ({source.name}, {self.device.arch})")
         kernels = {}
         for name, params in declared_kernels(source.source).items():

@@ -17,6 +17,7 @@ import jsonschema
 import numpy as np
 import pytest
 from sexpgpu.backends import tokenizers
+from sexpgpu.backends.devices import open_device
 from sexpgpu.backends.events import read_events
 from sexpgpu.backends.sampling import Sampler, locate_run
 from sexpgpu.backends.training import train
@@ -24,7 +25,6 @@ from sexpgpu.tools.main import main
 from test_run import EXAMPLE, ROOT, SMALL, run_cli, step_losses
 
 import sexpgpu
-from sexpgpu.devices import open_device
 
 TRAINED = ["--variant", "smoke", "--set", "steps=60", "--set", "lr=0.01", "--set", "eval-every=1000"]
 

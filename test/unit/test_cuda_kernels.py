@@ -33,10 +33,10 @@ from attrs import frozen
 from gpu_device import GPU, GpuDevice
 from sexpgpu.backends.cuda.driver_sim import SimRuntime
 from sexpgpu.backends.cuda.nvrtc import compile_cubin, cubin_arch
+from sexpgpu.backends.cuda.render import templates as t
+from sexpgpu.backends.cuda.render.kernel_source import KernelProgram
+from sexpgpu.backends.cuda.render.prelude import translation_unit
 from sexpgpu.backends.cuda.sim import SimDevice
-from sexpgpu.passes.emit_cuda import templates as t
-from sexpgpu.passes.emit_cuda.kernel_source import KernelProgram
-from sexpgpu.passes.emit_cuda.prelude import translation_unit
 
 NUMPY_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}

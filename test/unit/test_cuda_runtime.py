@@ -159,8 +159,8 @@ def test_a_full_arena_says_what_asked_for_how_much(runtime):
     with pytest.raises(DeviceOutOfMemory) as full:
         small.allocate(512, "probabilities")
     assert (full.value.requested, full.value.available) == (512, 1024 - 768)
-    assert str(full.value) == ("out of device memory: probabilities needs 512 bytes, but only 256 bytes are "
-                               "free in the activation arena of graph train of 1.00 KiB (1024 bytes)")
+    assert str(full.value) == ("out of device memory: probabilities needs 512 B (512 bytes), but only 256 B "
+                               "(256 bytes) are free in the activation arena of graph train of 1.0 KiB")
     small.release()
 
 
@@ -174,8 +174,8 @@ def test_a_device_out_of_memory_is_a_one_line_user_error(cache_dir, capsys):
 
     assert guarded(too_much) == 1
     [line] = capsys.readouterr().err.splitlines()
-    assert line == ("error: out of device memory: the activation arena of graph train needs 30.00 MiB (31457280 "
-                    "bytes), but only 24.00 MiB (25165824 bytes) are free on cuda-sim (a simulated CUDA device "
+    assert line == ("error: out of device memory: the activation arena of graph train needs 30.0 MiB (31457280 "
+                    "bytes), but only 24.0 MiB (25165824 bytes) are free on cuda-sim (a simulated CUDA device "
                     "on the host CPU)")
     assert runtime.memory_info() == (24 << 20, 64 << 20)
     runtime.close()
@@ -798,7 +798,7 @@ def test_cuda_sim_opens_whatever_the_cuda_driver(monkeypatch, cache_dir):
         assert isinstance(runtime, SimRuntime)
         assert runtime.device.arch == "sm_90"
         assert runtime.device.describe() == ("cuda-sim (a simulated CUDA device on the host CPU) (device 0, sm_90, "
-                                             "1.00 MiB (1048576 bytes), driver cuda-sim)")
+                                             "1.0 MiB, driver cuda-sim)")
     assert selection.requested_driver("cuda-sim") == "cuda-sim"
 
 
