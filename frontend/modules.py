@@ -157,7 +157,8 @@ class Module:
         self.callable = Builtin(path, self.call, wants_loc=True)
 
     def call(self, loc: Location | None, *args: Any) -> Any:
-        require_trace(f"module {self.path} ({self.constructor})", loc)
+        trace = require_trace(f"module {self.path} ({self.constructor})", loc)
+        trace.module_calls.setdefault(self.path, list(args))
         with module_path(self.path):
             return invoke(self.forward, list(args), loc)
 

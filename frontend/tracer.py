@@ -67,6 +67,8 @@ class Trace:
         self.metrics: dict[str, Location | None] = {}
         self.counters: dict[str, int | float | None] = {}
         self.observed: list[str] = []
+        #: Module path → the arguments of its first call in this graph (what `sample` traces a model with).
+        self.module_calls: dict[str, list[Any]] = {}
         #: Ops recorded so far (see `MAX_GRAPH_OPS`).
         self.op_count = 0
 

@@ -23,3 +23,8 @@ def run_graphs(stacking: bool) -> str:
     """The passes after the training pipeline that make the graphs a training run executes beside the
     experiment's; with `stacking`, the stacking variants too."""
     return RUN_GRAPHS + (f",{STACK_VARIANTS}" if stacking else "")
+
+
+#: What `sexpgpu sample` compiles: the training pipeline, whose module's fingerprint is the run's, with
+#: the model's forward for one sequence (`@sample`) traced too and cleaned by the same passes.
+SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=true},", 1)

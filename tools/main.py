@@ -19,6 +19,8 @@ VERBS = {
     "ir": ("ir_cmd", "the whole experiment as a JSON document"),
     "run": ("run_cmd", "train the experiment"),
     "plot": ("plot_cmd", "plot the metrics of a run record as a PNG"),
+    "sample": ("sample_cmd", "generate text from a run's checkpoint"),
+    "prepare": ("prepare_cmd", "encode text files into train.bin and val.bin token files"),
 }
 
 #: Verbs that compile a module, report on it and end: run as the process (`sexpgpu VERB ...`), they
@@ -27,7 +29,7 @@ VERBS = {
 _ONE_SHOT = {"check", "explain", "ir", "diff"}
 
 #: Verbs that take no experiment selection.
-_NO_SELECTION = {"plot"}
+_NO_SELECTION = {"plot", "sample", "prepare"}
 
 
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
