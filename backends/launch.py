@@ -1,0 +1,147 @@
+"""Starting and watching the ranks of `sexpgpu run --ranks N` (docs/distributed.md, "Launching").
+
+The ranks are started by the MPI launcher the `mpi` extra installs (the
+mpich wheel's `mpiexec`, hydra), as llm.c's runs are (`mpirun -np N`):
+the ranks meet through MPI anyway, and hydra already does what a launcher
+must — it starts the processes, forwards Ctrl-C, and when one dies it kills
+the others at once. What this adds is the account: each rank leaves its
+process id and last words in a folder (ranks.RankRecord), and when the
+run ends badly this names the rank that died, in one line instead of
+hydra's banner, and closes the run record with an `end` event `failed`.
+
+Each rank runs single-threaded BLAS (`OMP_NUM_THREADS=1` and its kin)
+unless the environment says otherwise, as `torchrun` does: N ranks each
+running a thread per core would fight over the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..diagnostics import SxError, display_path
+from .checkpoint import list_checkpoints
+from .distributed import MPI_INSTALL, import_mpi
+from .events import EventLog, read_events
+from .ranks import RANK_DIRECTORY_VARIABLE, read_rank_records
+
+#: The thread-count variables of the BLAS libraries numpy may use, each set to 1 unless already set.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+#: Lines of hydra's report of a rank that ended badly (replaced by one line naming the rank).
+_HYDRA_BANNER = re.compile(r"^(=+|=   .*|YOUR APPLICATION TERMINATED.*|This typically refers to a problem.*|"
+                           r"Please see the FAQ page.*|Abort\(\d+\) on node .*)$")
+_HYDRA_PID = re.compile(r"=   PID (\d+) RUNNING AT")
+_HYDRA_CODE = re.compile(r"=   (EXIT CODE|KILLED BY SIGNAL): (\d+)")
+
+
+def find_mpiexec() -> str:
+    """The `mpiexec` beside this Python (the mpich wheel's), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise SxError(f"several ranks need an MPI launcher (mpiexec), and there is none; install MPI with `{MPI_INSTALL}`")
+    return found
+
+
+def rank_environment(folder: Path) -> dict[str, str]:
+    """The environment the ranks start with: this one, single-threaded BLAS unless told, the folder
+    they leave their records in."""
+    env = dict(os.environ)
+    for variable in THREAD_VARIABLES:
+        env.setdefault(variable, "1")
+    env[RANK_DIRECTORY_VARIABLE] = str(folder)
+    return env
+
+
+def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
+    """Run `sexpgpu <arguments>` as `ranks` processes under mpiexec and wait for them; the exit status
+    (1 naming the rank where one died)."""
+    import_mpi(ranks)  # without the extra: one line naming it, before anything starts
+    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "sexpgpu.tools.main", *arguments]
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="sexpgpu-ranks-") as folder:
+        process = subprocess.Popen(command, env=rank_environment(Path(folder)), stderr=subprocess.PIPE, text=True,
+                                   errors="replace")
+        dead_pid, how = _relay(process)
+        code = _wait(process)
+        if code == 0:
+            return 0
+        records = read_rank_records(Path(folder))
+    if dead_pid is None:
+        # A rank ended with an error it printed itself (and stopped the others): nothing to add.
+        return code
+    return _report_dead_rank(records, dead_pid, how, out_dir, started)
+
+
+def _relay(process: subprocess.Popen) -> tuple[int | None, str]:
+    """Copy the ranks' standard error through, but hydra's banner; the process id and the way of
+    death hydra reports there."""
+    dead_pid, how = None, ""
+    assert process.stderr is not None
+    for line in process.stderr:
+        stripped = line.rstrip("\n")
+        if _HYDRA_BANNER.match(stripped):
+            if match := _HYDRA_PID.match(stripped):
+                dead_pid = int(match.group(1))
+            elif match := _HYDRA_CODE.match(stripped):
+                how = _death(match.group(1), int(match.group(2)))
+            continue
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    return dead_pid, how
+
+
+def _death(kind: str, number: int) -> str:
+    """`killed by SIGKILL`, `exited with status 3`: how a rank ended, from hydra's words."""
+    if kind == "KILLED BY SIGNAL" or number > 128 or number == 9:
+        signal_number = number - 128 if number > 128 else number
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(signal_number).name}"
+    return f"exited with status {number}"
+
+
+def _wait(process: subprocess.Popen) -> int:
+    """mpiexec's exit status; a Ctrl-C here reached the ranks too (one process group), which end
+    after their step, so this keeps waiting."""
+    while True:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            continue
+
+
+def _report_dead_rank(records: dict[int, tuple[int, str]], dead_pid: int, how: str, out_dir: Path,
+                      started: float) -> int:
+    rank = next((rank for rank, (pid, _) in records.items() if pid == dead_pid), None)
+    who = f"rank {rank} (process {dead_pid})" if rank is not None else f"process {dead_pid}"
+    last_words = records[rank][1] if rank is not None else "before it reported"
+    checkpoints = list_checkpoints(out_dir) if out_dir.exists() else []
+    kept = (f"the last checkpoint, {display_path(str(checkpoints[-1][1]))}, is intact" if checkpoints
+            else "no checkpoint was written")
+    message = f"{who} {how or 'ended'} {last_words}; the other ranks were stopped; {kept}"
+    _close_record(out_dir / "events.jsonl", message, started)
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _close_record(path: Path, message: str, started: float) -> None:
+    """An `end` event `failed` in a run record rank 0 could not close (it was stopped with the others)."""
+    if not path.exists():
+        return
+    with contextlib.suppress(SxError):
+        events = read_events(path)
+        if events and events[-1].get("type") == "end":
+            return
+        step = max((event["step"] for event in events if event.get("type") == "step"), default=0)
+        log = EventLog(path)
+        log.write("end", status="failed", step=step, seconds=time.time() - started, message=message)
+        log.close()
