@@ -82,12 +82,16 @@ class Communicator(ABC):
         """Fill `buffer` with every rank's `shard`, in rank order (`shard_bounds`)."""
 
     @abstractmethod
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        """Replace `buffer` on every rank by rank `root`'s."""
+
+    @abstractmethod
     def sum_values(self, values: Sequence[float]) -> list[float]:
         """The sums over the ranks of a few float64 values (metrics, counters, flags)."""
 
     @abstractmethod
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's `value` (a small picklable object) on every rank."""
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        """Rank `root`'s `value` (a small picklable object) on every rank."""
 
     @abstractmethod
     def gather(self, value: Any) -> list[Any] | None:
@@ -114,10 +118,13 @@ class SingleProcess(Communicator):
     def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
         buffer[...] = shard
 
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        pass
+
     def sum_values(self, values: Sequence[float]) -> list[float]:
         return [float(value) for value in values]
 
-    def broadcast(self, value: Any) -> Any:
+    def broadcast(self, value: Any, root: int = 0) -> Any:
         return value
 
     def gather(self, value: Any) -> list[Any] | None:
@@ -161,8 +168,11 @@ class MpiCommunicator(Communicator):
         self._comm.Allreduce(self._mpi.IN_PLACE, summed, op=self._mpi.SUM)
         return summed.tolist()
 
-    def broadcast(self, value: Any) -> Any:
-        return self._comm.bcast(value, root=0)
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        self._comm.Bcast(buffer, root=root)
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        return self._comm.bcast(value, root=root)
 
     def gather(self, value: Any) -> list[Any] | None:
         return self._comm.gather(value, root=0)

@@ -75,13 +75,44 @@ def any_rank(world: Communicator, flag: bool) -> bool:
     return flag if world.size == 1 else world.sum_values([1.0 if flag else 0.0])[0] > 0
 
 
-def check_diagnosable(accumulates: bool, world: Communicator, loc: Location | None) -> None:
-    """Gradient diagnostics reduce the step's summed gradient inside the last microbatch's graph, which
-    sees this rank's microbatches alone; with several ranks they would report a part of it."""
-    if accumulates and world.size > 1:
-        raise SxError(f"gradient diagnostics (of (grads ...)) are not available with {world.size} ranks yet: "
-                      "the diagnosed graph would see one rank's share of the step's gradient; run them on "
-                      "one rank, or leave them out of the defrun's :diagnostics", loc)
+def diagnoses_here(setup: Any, diagnosed: bool) -> bool:
+    """Whether this rank runs the diagnosed graph in a diagnostic step: the rank of the step's first
+    microbatch (rank 0), or of its last where the diagnosed graph reduces the step's gradient."""
+    world: Communicator = setup.world
+    return diagnosed and world.rank == (world.size - 1 if setup.diagnosis_accumulates else 0)
+
+
+def sums_whole(setup: Any, diagnosed: bool) -> bool:
+    """Whether this step's gradients meet before its last microbatch: a diagnostic step over several
+    ranks whose diagnosed graph reduces the step's gradient, which it must see whole."""
+    return diagnosed and setup.diagnosis_accumulates and setup.world.size > 1
+
+
+def reduce_step(trainer: Any, diagnosed: bool, held: tuple[Executable, int] | None,
+                calls: list[tuple[Any, int]]) -> dict[str, np.ndarray] | None:
+    """The step's gradients summed over the ranks (`GradientReduction`, `ShardedUpdates`), after every
+    rank's microbatches. In a step that `sums_whole`, the last rank holds its last microbatch back
+    (`held`, the diagnosed graph): every other microbatch's gradient is summed whole, the last rank
+    adds the held one with the diagnosed graph, and shares the step's gradient and observations
+    (returned: what rank 0 logs)."""
+    if not sums_whole(trainer, diagnosed):
+        trainer.reduce_gradients()
+        if trainer.sharded is not None:
+            trainer.sharded.reduce_gradients()
+        return None
+    if held is not None and not calls:
+        # The last rank's only microbatch is the held one: it adds nothing to the sum before it.
+        for array in trainer.whole_gradients.arrays:
+            trainer.executor.write(array, np.zeros(trainer.executor.download(array).shape, np.float32))
+    trainer.whole_gradients()
+    if held is not None:
+        graph, count = held
+        calls.append((graph(trainer._inputs(graph, trainer._next_batches(count), trainer.grad_out),
+                            trainer.grad_out), count))
+    last = trainer.world.size - 1
+    trainer.whole_gradients.share(last)
+    observed = dict(calls[-1][0].observed) if held is not None else None
+    return trainer.world.broadcast(observed, root=last)
 
 
 def zero_stage(plan: Any) -> int:
@@ -92,7 +123,8 @@ def zero_stage(plan: Any) -> int:
 def plan_reduction(setup: Any) -> tuple[ShardedUpdates | None, GradientReduction]:
     """How a setup's gradients meet over its ranks: ZeRO-1 over the flat groups it can shard (their
     update taken over from the driver's `flat_updates`, their states from its `states`), and one
-    summed buffer of every other gradient."""
+    summed buffer of every other gradient; with gradient diagnostics, `setup.whole_gradients`, the
+    sum of every gradient (`reduce_step`)."""
     world: Communicator = setup.world
     sharded = None
     if world.size > 1 and zero_stage(setup.plan) == 1 and setup.flat_groups:
@@ -107,6 +139,10 @@ def plan_reduction(setup: Any) -> tuple[ShardedUpdates | None, GradientReduction
             if (start, stop) not in taken:
                 arrays.append(setup.executor.view(setup.flat_grads, start, (stop - start,)))
         arrays.extend(setup.grad_out[f"grad/{path}"] for path in setup.lone_params)
+    if setup.diagnosis_accumulates and world.size > 1:
+        whole = [setup.flat_grads] if setup.flat_bounds else []
+        whole.extend(setup.grad_out[f"grad/{path}"] for path in setup.lone_params)
+        setup.whole_gradients = GradientReduction(setup.executor, world, whole)
     if sharded is not None:
         # The driver's flat updates are its flat groups', in order.
         setup.flat_updates[:] = [update for update, (_, paths) in zip(setup.flat_updates, setup.flat_groups)
@@ -140,15 +176,27 @@ class GradientReduction:
         self._host = np.empty(self.numel, dtype=np.float32)
 
     def __call__(self) -> None:
-        if not self.arrays:
-            return
-        ex, host, offset = self.executor, self._host, 0
-        for array in self.arrays:
-            value = ex.download(array)
-            host[offset:offset + value.size] = value.reshape(-1)
-            offset += value.size
-        self.world.sum_into(host)
+        if self.arrays:
+            self._pack()
+            self.world.sum_into(self._host)
+            self._unpack()
+
+    def share(self, root: int) -> None:
+        """Every rank's arrays replaced by rank `root`'s."""
+        if self.arrays:
+            self._pack()
+            self.world.share(self._host, root)
+            self._unpack()
+
+    def _pack(self) -> None:
         offset = 0
+        for array in self.arrays:
+            value = self.executor.download(array)
+            self._host[offset:offset + value.size] = value.reshape(-1)
+            offset += value.size
+
+    def _unpack(self) -> None:
+        ex, host, offset = self.executor, self._host, 0
         for array in self.arrays:
             shape = ex.download(array).shape
             size = int(np.prod(shape, dtype=np.int64))

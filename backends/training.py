@@ -244,7 +244,8 @@ class DeviceSetup:
         # A diagnosed graph that adds into previous gradients reduces the whole step's: it runs last.
         accumulates = self.train_diagnosed is not None and any(
             spec.role == "grad" for spec in self.train_diagnosed.inputs)
-        ranks.check_diagnosable(accumulates, self.world, plan.run_op.loc)
+        #: Whether the diagnosed graph reduces the step's summed gradient (backends/ranks.py).
+        self.diagnosis_accumulates = accumulates
         self.diagnosed_microbatch = self.local_microbatches - 1 if accumulates else 0
         self.evaluations = [
             (op, compile_func(plan.graph(_symbol(op.attributes["graph"])))) for op in plan.evaluation_ops
@@ -527,16 +528,17 @@ class Trainer(DeviceSetup):
         ex = self.executor
         diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.plan.diagnostic_ops)
         calls: list[tuple[Any, int]] = []
+        planned = self._calls(ranks.diagnoses_here(self, diagnosed))
+        # Where the diagnosed graph must see the gradient of every rank, it runs after their sum.
+        held = planned.pop() if ranks.sums_whole(self, diagnosed) and ranks.diagnoses_here(self, diagnosed) else None
         with ranks.dealt(self.train_loader, self.world, self.local_microbatches):
-            for index, (graph, count) in enumerate(self._calls(diagnosed)):
+            for index, (graph, count) in enumerate(planned):
                 # Every gradient goes into the same arrays; after the first call they are also its inputs.
                 grads = self.grad_out if index > 0 else None
                 result = graph(self._inputs(graph, self._next_batches(count), grads), self.grad_out)
                 calls.append((result, count))
-        # The summed gradients of every rank's microbatches, on every rank (or its shard: ZeRO-1).
-        self.reduce_gradients()
-        if self.sharded is not None:
-            self.sharded.reduce_gradients()
+            # The summed gradients of every rank's microbatches, on every rank (or its shard: ZeRO-1).
+            shared_observations = ranks.reduce_step(self, diagnosed, held, calls)
         if self.scale is not None:
             # One multiply over the flat gradient array and one per gradient outside it, in place.
             summed = {f"grad/{path}": self.grad_out[f"grad/{path}"] for path in self.lone_params}
@@ -572,6 +574,8 @@ class Trainer(DeviceSetup):
             for name, value in result.counters.items():
                 counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
             observed.update(result.observed)
+        if shared_observations is not None:
+            observed = shared_observations
         total = self.plan.microbatches
         loss_sum = ranks.sum_over_ranks(self.world, {"": loss_sum})[""]
         metric_sums = ranks.sum_over_ranks(self.world, metric_sums)
