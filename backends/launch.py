@@ -24,9 +24,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from ..diagnostics import SxError, display_path
 from .checkpoint import list_checkpoints
@@ -40,7 +42,8 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 _HYDRA_BANNER = re.compile(r"^(=+|=   .*|YOUR APPLICATION TERMINATED.*|This typically refers to a problem.*|"
                            r"Please see the FAQ page.*|Abort\(\d+\) on node .*)$")
 _HYDRA_PID = re.compile(r"=   PID (\d+) RUNNING AT")
-_HYDRA_CODE = re.compile(r"=   (EXIT CODE|KILLED BY SIGNAL): (\d+)")
+_HYDRA_CODE = re.compile(r"=   EXIT CODE: (\d+)")
+_HYDRA_SIGNAL = re.compile(r"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*\(signal (\d+)\)")
 
 
 def find_mpiexec() -> str:
@@ -69,10 +72,16 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
     command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "sexpgpu.tools.main", *arguments]
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="sexpgpu-ranks-") as folder:
-        process = subprocess.Popen(command, env=rank_environment(Path(folder)), stderr=subprocess.PIPE, text=True,
-                                   errors="replace")
-        dead_pid, how = _relay(process)
+        process = subprocess.Popen(command, env=rank_environment(Path(folder)), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, errors="replace")
+        # hydra reports a dead rank on its standard output, and its ranks may on either stream.
+        watch = HydraWatch()
+        relay_errors = threading.Thread(target=watch.relay, args=(process.stderr, sys.stderr), daemon=True)
+        relay_errors.start()
+        watch.relay(process.stdout, sys.stdout)
+        relay_errors.join()
         code = _wait(process)
+        dead_pid, how = watch.dead_pid, watch.how
         if code == 0:
             return 0
         records = read_rank_records(Path(folder))
@@ -82,31 +91,39 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
     return _report_dead_rank(records, dead_pid, how, out_dir, started)
 
 
-def _relay(process: subprocess.Popen) -> tuple[int | None, str]:
-    """Copy the ranks' standard error through, but hydra's banner; the process id and the way of
-    death hydra reports there."""
-    dead_pid, how = None, ""
-    assert process.stderr is not None
-    for line in process.stderr:
-        stripped = line.rstrip("\n")
-        if _HYDRA_BANNER.match(stripped):
-            if match := _HYDRA_PID.match(stripped):
-                dead_pid = int(match.group(1))
-            elif match := _HYDRA_CODE.match(stripped):
-                how = _death(match.group(1), int(match.group(2)))
-            continue
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    return dead_pid, how
+class HydraWatch:
+    """Copies the ranks' output through, but hydra's banner about a dead rank, from which it keeps the
+    process id and how the rank ended."""
 
+    def __init__(self) -> None:
+        self.dead_pid: int | None = None
+        self.how = ""
 
-def _death(kind: str, number: int) -> str:
-    """`killed by SIGKILL`, `exited with status 3`: how a rank ended, from hydra's words."""
-    if kind == "KILLED BY SIGNAL" or number > 128 or number == 9:
-        signal_number = number - 128 if number > 128 else number
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(signal_number).name}"
-    return f"exited with status {number}"
+    def relay(self, source: TextIO, target: TextIO) -> None:
+        held_blank = False  # hydra's banner starts with a blank line
+        for line in source:
+            stripped = line.rstrip("\n")
+            if not stripped and not held_blank:
+                held_blank = True
+                continue
+            if _HYDRA_BANNER.match(stripped):
+                self._read(stripped)
+                held_blank = False
+                continue
+            if held_blank:
+                target.write("\n")
+                held_blank = False
+            target.write(line)
+            target.flush()
+
+    def _read(self, line: str) -> None:
+        if match := _HYDRA_PID.match(line):
+            self.dead_pid = int(match.group(1))
+        elif match := _HYDRA_SIGNAL.match(line):
+            with contextlib.suppress(ValueError):
+                self.how = f"was killed by {signal.Signals(int(match.group(1))).name}"
+        elif (match := _HYDRA_CODE.match(line)) and not self.how:
+            self.how = f"exited with status {match.group(1)}"
 
 
 def _wait(process: subprocess.Popen) -> int:
