@@ -32,7 +32,7 @@ from typing import Any
 from ..dialects.core import Operation
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
-from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title
+from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title, stacking_degrees
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
@@ -217,9 +217,3 @@ def _memory(lowering: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str
         "total_bytes": None,
         "free_bytes": None,
     }
-
-
-def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
-    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
-    per_rank = max(1, microbatches // ranks)
-    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]

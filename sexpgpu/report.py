@@ -22,6 +22,7 @@ from .dialects.core import Operation, TensorType
 from .dialects.exp import GRAPH_KINDS
 from .dialects.printer import attribute_json
 from .dialects.traits import FAMILIES
+from .passes.flat_updates import flat_update_graph
 from .version import __version__
 
 #: Rows of largest tensors kept per graph, in the document and the text (an update group's row shows one).
@@ -372,6 +373,86 @@ def build_document(module: Operation, facts: dict[str, Any], path: str | None) -
     }
 
 
+def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
+    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
+    per_rank = max(1, microbatches // ranks)
+    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]
+
+
+def ranks_document(module: Operation, doc: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """What `explain --ranks N` adds (`doc["ranks"]`): how a step splits over N data-parallel ranks, each
+    rank's memory bound with ZeRO-1's sharded optimizer states, and the collectives a step runs
+    (docs/distributed.md). The microbatches must divide by `ranks` (the caller checks)."""
+    run = attribute_json(_one(module, "exp.run").attributes)
+    step = doc["step"]
+    zero = ranks > 1 and int(run.get("zero_stage", 1)) == 1
+    updates: dict[str, list[Operation]] = {}
+    for func in module.body.ops:
+        if func.name == "graph.func" and func.attributes.get("kind") == "update":
+            updates.setdefault(str(func.attributes.get("group")), []).append(func)
+    clipped = any(op.name == "graph.func" and op.attributes.get("kind") == "clip" for op in module.body.ops)
+    groups = []
+    for group in doc["groups"]:
+        funcs = updates.get(group["name"], [])
+        flat = len(funcs) > 1 and flat_update_graph(funcs, group["elements"]) is not None
+        groups.append({"name": group["name"], "elements": group["elements"], "state_elements": group["state_elements"],
+                       "sharded": zero and flat and group["elements"] % ranks == 0})
+    parameter_bytes = 4 * doc["parameters"]["elements"]
+    state_bytes = sum(4 * g["state_elements"] // (ranks if g["sharded"] else 1) for g in groups)
+    sharded_elements = sum(g["elements"] for g in groups if g["sharded"])
+    # Ring collectives: a rank sends (N-1)/N of each buffer reduce-scattered or all-gathered.
+    gathered = (3 if clipped else 2) * sharded_elements + 2 * (doc["parameters"]["elements"] - sharded_elements)
+    tokens = next((c["per_step"] for c in step["counters"] if c["name"] == "tokens" and c["static"]), None)
+    peak = step["peak_activation"]
+    return {
+        "ranks": ranks,
+        "microbatches_per_rank": step["microbatches"] // ranks,
+        "records_per_rank": step["records_per_step"] // ranks,
+        "tokens_per_step": tokens,
+        "tokens_per_rank": tokens // ranks if tokens is not None else None,
+        "zero_stage": 1 if zero else 0,
+        "groups": groups,
+        "memory": {"parameter_bytes": parameter_bytes, "gradient_bytes": parameter_bytes, "state_bytes": state_bytes,
+                   "unsharded_state_bytes": sum(4 * g["state_elements"] for g in groups),
+                   "activation_bytes": peak["bytes"] if peak else None},
+        "gradients_gathered": clipped and sharded_elements > 0,
+        "bytes_sent_per_step": 4 * gathered * (ranks - 1) // ranks,
+        "stacking_degrees": stacking_degrees(step["microbatches"], ranks),
+    }
+
+
+def _render_ranks(doc: dict[str, Any]) -> list[str]:
+    r = doc["ranks"]
+    total = doc["step"]["microbatches"]
+    rows = [["ranks", f"{r['ranks']}, each running {r['microbatches_per_rank']} of the {total} microbatches of a step "
+                      f"({r['records_per_rank']} records)"]]
+    if r["tokens_per_step"] is not None:
+        rows.append(["tokens", f"{r['tokens_per_step']} per step, {r['tokens_per_rank']} per rank"])
+    memory = r["memory"]
+    states = mib(memory["state_bytes"])
+    if r["zero_stage"] == 1 and memory["state_bytes"] != memory["unsharded_state_bytes"]:
+        states += f" (ZeRO-1: its shard of {mib(memory['unsharded_state_bytes'])})"
+    parts = [f"parameters {mib(memory['parameter_bytes'])}", f"gradients {mib(memory['gradient_bytes'])}",
+             f"optimizer states {states}"]
+    fixed = memory["parameter_bytes"] + memory["gradient_bytes"] + memory["state_bytes"]
+    if memory["activation_bytes"] is not None:
+        parts.append(f"activations <= {mib(memory['activation_bytes'])} for one microbatch")
+        fixed += memory["activation_bytes"]
+    rows.append(["memory per rank", f"<= {mib(fixed)}: " + ", ".join(parts)])
+    sharded = [g["name"] for g in r["groups"] if g["sharded"]]
+    what = "gradients reduce-scattered and all-gathered"
+    if sharded:
+        what = (f"gradients reduce-scattered{', then all-gathered for clipping' if r['gradients_gathered'] else ''}, "
+                f"each rank updating its shard, parameters all-gathered (ZeRO-1: {', '.join(sharded)})")
+        if len(sharded) < len(r["groups"]):
+            what += "; the other gradients reduce-scattered and all-gathered"
+    rows.append(["collectives", f"each step: {what}; {mib(r['bytes_sent_per_step'])} sent per rank"])
+    degrees = " or ".join(str(k) for k in r["stacking_degrees"])
+    rows.append(["stacking", f"{degrees}: the divisors of each rank's {plural(r['microbatches_per_rank'], 'microbatch', 'microbatches')} "
+                             "(a device chooses when the run opens it; the CPU runs 1)"])
+    return ["ranks:", *_table(rows, 2)]
+
+
 # -- the text ---------------------------------------------------------------------------------
 
 
@@ -640,6 +721,7 @@ def render_text(doc: dict[str, Any]) -> str:
         _render_parameters(doc),
         _render_graphs(doc),
         ["training step:", *_table([[label, text] for _, label, text in step_rows(doc)], 2)],
+        *([_render_ranks(doc)] if "ranks" in doc else []),
         _render_diagnostics(doc),
         _render_precision(doc),
         [DEVICE_HOLE] if device is None else [render_lowering(device).rstrip("\n")],

@@ -4,18 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..backends.training import train
 from ..diagnostics import UsageError
-from .common import add_device_flag, guarded
-
-
-def positive_count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a rank count ≥ 1, got '{text}'")
-    return int(text)
+from .common import add_device_flag, add_ranks_flag, guarded, requested_ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,19 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="the run record directory (default: runs/<file-stem>-<time>)")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from a run directory's latest checkpoint, or from one checkpoints/step-N")
-    parser.add_argument("--ranks", type=positive_count, metavar="N",
-                        help="data-parallel ranks: start N processes (on cpu; on cuda, one per SEXPGPU_DEVICES id)")
-
-
-def requested_ranks(args: argparse.Namespace) -> int:
-    """How many ranks the command line asks for: `--ranks`, else one per `SEXPGPU_DEVICES` id on a GPU."""
-    ids = [part for part in (os.environ.get("SEXPGPU_DEVICES") or "").split(",") if part.strip()]
-    if args.device != "cpu" and len(ids) > 1:
-        if args.ranks is not None and args.ranks != len(ids):
-            raise UsageError(f"--ranks {args.ranks} but SEXPGPU_DEVICES={os.environ['SEXPGPU_DEVICES']} names "
-                             f"{len(ids)} devices: a GPU rank per device")
-        return len(ids)
-    return args.ranks or 1
+    add_ranks_flag(parser, "data-parallel ranks: start N processes (on cpu; on cuda, one per SEXPGPU_DEVICES id)")
 
 
 def rank_arguments(args: argparse.Namespace, ranks: int, out: str) -> list[str]:
