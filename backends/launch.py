@@ -68,7 +68,7 @@ def rank_environment(folder: Path) -> dict[str, str]:
 def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
     """Run `sexpgpu <arguments>` as `ranks` processes under mpiexec and wait for them; the exit status
     (1 naming the rank where one died)."""
-    import_mpi(ranks)  # without the extra: one line naming it, before anything starts
+    import_mpi(ranks)  # without the extra: one line naming it, before anything starts (mpiexec comes with it)
     command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "sexpgpu.tools.main", *arguments]
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="sexpgpu-ranks-") as folder:

@@ -74,14 +74,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_ranks(args: argparse.Namespace, ranks: int) -> int:
-    """Check the experiment here (its errors print once), then start the ranks under mpiexec."""
+    """Check MPI and the experiment here (their errors print once), then start the ranks under mpiexec."""
     from pathlib import Path
 
     from ..backends.checkpoint import resolve_checkpoint
+    from ..backends.distributed import import_mpi
     from ..backends.launch import launch_ranks
     from ..backends.ranks import local_microbatches
     from ..backends.training import TrainingPlan, default_out_dir
 
+    import_mpi(ranks)  # without the extra: one line naming it, before any work
     plan = TrainingPlan.compile(args.file, args.variant, args.set)
     local_microbatches(plan.microbatches, ranks, plan.run_op.loc)
     if args.out is not None:
