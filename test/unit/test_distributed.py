@@ -17,8 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sexpgpu.backends import distributed, ranks
-from sexpgpu.backends.distributed import MPI_INSTALL, SingleProcess, launcher_world, open_communicator, shard_bounds
+from sexpgpu.backends.distributed import (
+    MPI_INSTALL,
+    SingleProcess,
+    launcher_world,
+    open_communicator,
+    shard_bounds,
+)
 from sexpgpu.backends.launch import HydraWatch
+
 from sexpgpu.diagnostics import SxError
 
 ROOT = Path(__file__).resolve().parents[2]
