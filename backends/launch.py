@@ -78,9 +78,15 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
         watch = HydraWatch()
         relay_errors = threading.Thread(target=watch.relay, args=(process.stderr, sys.stderr), daemon=True)
         relay_errors.start()
-        watch.relay(process.stdout, sys.stdout)
-        relay_errors.join()
-        code = _wait(process)
+        # A Ctrl-C reaches the ranks from the terminal (one process group): they finish the step, write
+        # a checkpoint and end `interrupted`. Here it would only cut the relay short.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            watch.relay(process.stdout, sys.stdout)
+            relay_errors.join()
+            code = process.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         dead_pid, how = watch.dead_pid, watch.how
         if code == 0:
             return 0
@@ -124,16 +130,6 @@ class HydraWatch:
                 self.how = f"was killed by {signal.Signals(int(match.group(1))).name}"
         elif (match := _HYDRA_CODE.match(line)) and not self.how:
             self.how = f"exited with status {match.group(1)}"
-
-
-def _wait(process: subprocess.Popen) -> int:
-    """mpiexec's exit status; a Ctrl-C here reached the ranks too (one process group), which end
-    after their step, so this keeps waiting."""
-    while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:
-            continue
 
 
 def _report_dead_rank(records: dict[int, tuple[int, str]], dead_pid: int, how: str, out_dir: Path,

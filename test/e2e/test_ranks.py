@@ -196,3 +196,23 @@ def test_microbatches_that_do_not_divide_are_a_located_error_before_any_rank_sta
     assert result.returncode == 1
     assert "tiny-gpt.sx:" in result.stderr and "error: :microbatches 3 cannot be dealt evenly to 2 ranks" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # Its own session, so the Ctrl-C goes to the launcher and every rank, as a terminal sends it.
+    process = subprocess.Popen(command("run", str(EXAMPLE), *SMALL, "--set", "steps=400", "--set",
+                                       "checkpoint-every=1000", "--out", str(out), "--ranks", "2"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, **ONE_THREAD}, cwd=ROOT)
+    try:
+        wait_for(lambda: (out / "events.jsonl").exists() and len(events_of(out, "step")) >= 2)
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr
+    end = events_of(out, "end")[-1]
+    assert end["status"] == "interrupted"
+    assert [step for step, _ in list_checkpoints(out)] == [end["step"]]
