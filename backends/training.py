@@ -785,6 +785,13 @@ def default_out_dir(path: str) -> Path:
     return Path("runs") / f"{Path(path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def refuse_existing_record(out_dir: Path) -> None:
+    """A new run never writes into a run record: an error naming `--resume` where one is there."""
+    if (out_dir / "events.jsonl").exists():
+        raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
+                      f"--resume {display_path(str(out_dir))}, or choose another --out")
+
+
 def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
     """`--set` flags from the Python API's `{knob: value}` (or flags as they are)."""
     if sets is None:
@@ -817,9 +824,8 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
         out_dir = default_out_dir(path)
     # Rank 0's (a default names the time, which the ranks may read a second apart).
     out_dir = world.broadcast(out_dir)
-    if world.is_root and resume_path is None and (out_dir / "events.jsonl").exists():
-        raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
-                      f"--resume {display_path(str(out_dir))}, or choose another --out")
+    if world.is_root and resume_path is None:
+        refuse_existing_record(out_dir)
     try:
         return Trainer(plan, out_dir, resume_path, stream, interactive, executor, world).run()
     except MemoryError as err:

@@ -81,7 +81,7 @@ def start_ranks(args: argparse.Namespace, ranks: int) -> int:
     from ..backends.distributed import import_mpi
     from ..backends.launch import launch_ranks
     from ..backends.ranks import local_microbatches
-    from ..backends.training import TrainingPlan, default_out_dir
+    from ..backends.training import TrainingPlan, default_out_dir, refuse_existing_record
 
     import_mpi(ranks)  # without the extra: one line naming it, before any work
     plan = TrainingPlan.compile(args.file, args.variant, args.set)
@@ -92,4 +92,6 @@ def start_ranks(args: argparse.Namespace, ranks: int) -> int:
         out = resolve_checkpoint(Path(args.resume)).parent.parent
     else:
         out = default_out_dir(args.file)
+    if args.resume is None:
+        refuse_existing_record(out)
     return launch_ranks(rank_arguments(args, ranks, str(out)), ranks, out)

@@ -216,3 +216,10 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path)
     end = events_of(out, "end")[-1]
     assert end["status"] == "interrupted"
     assert [step for step, _ in list_checkpoints(out)] == [end["step"]]
+
+
+def test_a_new_run_on_ranks_refuses_an_existing_record_before_any_rank_starts(two_ranks):
+    result = run_cli("run", str(EXAMPLE), *SMALL, "--out", str(two_ranks), "--ranks", "2", check=False)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"error: {two_ranks} already holds a run record; continue it with "
+                                          f"--resume {two_ranks}, or choose another --out"]
