@@ -100,6 +100,12 @@ class DeviceFacts:
     capture_off: str | None = None
 
 
+def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
+    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
+    per_rank = max(1, microbatches // ranks)
+    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]
+
+
 def apply_device(document: dict[str, Any], device: DeviceFacts) -> dict[str, Any]:
     """`document` (in place, and returned) with what an opened device told: its name, memory, the stacking
     degree chosen and the rows it captures. A document is built without these first, so a report of the same
@@ -264,9 +270,3 @@ def _memory(lowering: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str
         "total_bytes": None,
         "free_bytes": None,
     }
-
-
-def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
-    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
-    per_rank = max(1, microbatches // ranks)
-    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]

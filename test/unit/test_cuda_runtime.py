@@ -755,10 +755,10 @@ def test_pycuda_where_cuda_cannot_start_is_one_line(monkeypatch, capsys, failure
 
 
 @pytest.mark.parametrize("device, driver, devices, reason", [
-    ("cuda", None, "0,1", "SEXPGPU_DEVICES=0,1 asks for 2 ranks; several ranks (data-parallel training) are a "
-                          "later issue, so give one device id"),
-    ("cuda-sim", None, "0, 1, 2, 3", "SEXPGPU_DEVICES=0, 1, 2, 3 asks for 4 ranks; several ranks (data-parallel "
-                                     "training) are a later issue, so give one device id"),
+    ("cuda", None, "0,1", "SEXPGPU_DEVICES=0,1 asks for 2 ranks, a process each: `sexpgpu run` starts them "
+                          "(docs/distributed.md)"),
+    ("cuda-sim", None, "0, 1, 2, 3", "SEXPGPU_DEVICES=0, 1, 2, 3 asks for 4 ranks, a process each: `sexpgpu run` "
+                                     "starts them (docs/distributed.md)"),
     ("cuda", None, "gpu0", "SEXPGPU_DEVICES=gpu0 is not a device id (0, 1, ...)"),
     ("cuda-sim", None, "1", "SEXPGPU_DEVICES=1, but the simulated device is device 0 alone"),
     ("cuda", "cupy", "0", "SEXPGPU_CUDA_DRIVER=cupy names no CUDA driver; use cuda-python or pycuda (the default "

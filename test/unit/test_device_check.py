@@ -1,7 +1,8 @@
 """tools/device-check's plumbing, on any machine: setup, a part in its own process, the record.
 
-`SEXPGPU_DEVICES=0,1` makes the CUDA device refuse to open everywhere (several
-ranks are a later issue), so the test runs the same with or without a GPU:
+`SEXPGPU_DEVICES=0,1` makes the CUDA device refuse to open everywhere (a lone
+process opens one device; ranks are processes of their own), so the test runs
+the same with or without a GPU:
 the environment part records the machine and says why the device cannot open,
 the parts that need the device are skipped with that reason, and the record,
 the log and the archive are written. The package is imported from the work
@@ -27,8 +28,7 @@ def test_without_a_device_the_check_records_why_and_runs_no_device_part(tmp_path
                           text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     record = json.loads((out / "device-check.json").read_text())
-    why = "SEXPGPU_DEVICES=0,1 asks for 2 ranks; several ranks (data-parallel training) are a later issue, so " \
-          "give one device id"
+    why = "SEXPGPU_DEVICES=0,1 asks for 2 ranks, a process each: `sexpgpu run` starts them (docs/distributed.md)"
     env = record["parts"]["env"]
     assert (env["status"], env["device_unavailable"]) == ("failed", why)
     assert env["packages"]["numpy"] and env["python"] == sys.version.split()[0] and env["sexpgpu"]
