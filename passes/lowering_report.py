@@ -37,7 +37,7 @@ from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
 #: Executors the report is written for (the first word of its first line).
-EXECUTORS = ("cuda", "cuda-sim")
+EXECUTORS = ("cuda", "cuda-sim", "cpu-c")
 
 
 def lowering_document(

@@ -9,3 +9,7 @@ TRAINING_PIPELINE = (
 #: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
 #: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
 CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"
+
+#: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
+#: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
+CPU_C_LOWERING = "match-patterns,fuse,plan-buffers"
