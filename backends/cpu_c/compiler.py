@@ -9,7 +9,9 @@
   is a `CCompileError` with its log.
 
 Flags: `-O3 -march=native -fopenmp` (what tinygrad's clang and Inductor's C++ use on a CPU), position
-independent, `-fno-math-errno` (a `sqrtf` is the instruction), and `-ffp-contract=off`: no fused
+independent, `-fno-math-errno` (a `sqrtf` is the instruction), `-fno-trapping-math` (no floating-point
+exception is ever looked at, so a select of two computed floats is a vector blend: without it a loop holding a
+NaN test does not vectorize; no value changes), and `-ffp-contract=off`: no fused
 multiply-adds the interpreter does not make, so the C computes what numpy computes, rounding for rounding.
 No `-ffast-math`: NaNs, infinities and the order of sums stay as written.
 """
@@ -31,7 +33,8 @@ from attrs import frozen
 
 from ..cuda.nvrtc import cache_root
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
+         "-ffp-contract=off")
 CANDIDATES = ("cc", "gcc", "clang")
 #: What `--device cpu-c` says to install when no compiler is found.
 INSTALL_HINT = "install a C compiler with OpenMP (Debian/Ubuntu: apt-get install gcc; macOS: brew install gcc) or set CC"

@@ -78,16 +78,19 @@ class CpuCExecutor(Executor):
 
     device = "cpu-c"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, profiled: bool = False) -> None:
         self.threads = thread_count(threads)
+        #: Whether the C adds up each step's seconds (`profile()`; benchmarks/cpu_train.py prints them).
+        self.profiled = profiled
         blas = numpy_blas()
         assert blas is not None, "the cpu-c probe checks for numpy's OpenBLAS"
         self.blas = blas
-        blas.set_threads(self.threads)
         #: id(module) -> (the module, kept so the id stays its own; its lowering)
         self._modules: dict[int, tuple[Operation, LoweredModule]] = {}
         self.executables: list[CpuCExecutable] = []
         self.experiment: LoweredModule | None = None
+        #: Every module lowered, in order.
+        self.lowerings: list[LoweredModule] = []
         self._arena = np.zeros(0, np.uint8)
         self._workspace = np.zeros(0, np.uint8)
 
@@ -122,7 +125,7 @@ class CpuCExecutor(Executor):
     def _lower(self, module: Operation) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it), render, compile and load it."""
         unit = run_pipeline(CompilationUnit(module=module), CPU_C_LOWERING)
-        rendered = render_module(module)
+        rendered = render_module(module, self.profiled)
         try:
             library, from_cache = compile_shared(rendered.source)
         except CCompileError as err:
@@ -131,11 +134,24 @@ class CpuCExecutor(Executor):
             if located is not None and located[0]:
                 raise err.at(f"@{located[0]}", located[1]) from None
             raise
-        library.sx_set_sgemm.argtypes = [ctypes.c_void_p]
-        library.sx_set_sgemm(self.blas.sgemm)
+        library.sx_set_blas.argtypes = [ctypes.c_void_p] * 3
+        library.sx_set_blas(self.blas.sgemm, self.blas.get_threads, self.blas.set_threads)
         library.sx_set_threads.argtypes = [ctypes.c_int]
         library.sx_set_threads(self.threads)
-        return LoweredModule(module, unit.facts, library, rendered.graphs, from_cache)
+        lowered = LoweredModule(module, unit.facts, library, rendered.graphs, from_cache)
+        self.lowerings.append(lowered)
+        return lowered
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent so far in each kind of step (by its label) of every graph compiled, when profiled."""
+        totals: dict[str, float] = {}
+        for lowered in self.lowerings:
+            lowered.library.sx_profile.restype = ctypes.c_void_p
+            counters = ctypes.cast(lowered.library.sx_profile(), ctypes.POINTER(ctypes.c_double))
+            for layout in lowered.layouts.values():
+                for i, label in enumerate(layout.labels):
+                    totals[label] = totals.get(label, 0.0) + counters[layout.profile_start + i]
+        return totals
 
     # -- arrays ----------------------------------------------------------------------------------------
 
@@ -333,7 +349,7 @@ def _module_holding(func: Operation) -> Operation:
 
 
 def open_cpu_c_executor(**options: Any) -> CpuCExecutor:
-    threads = options.pop("threads", None)
+    threads, profiled = options.pop("threads", None), options.pop("profiled", False)
     if options:
         print(f"note: cpu-c ignores the options {', '.join(sorted(options))}", file=sys.stderr)
-    return CpuCExecutor(threads)
+    return CpuCExecutor(threads, profiled)

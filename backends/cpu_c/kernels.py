@@ -71,10 +71,48 @@ static inline float sx_fmax(float a, float b) { return (a > b || a != a) ? a : b
 static inline float sx_fmin(float a, float b) { return (a < b || a != a) ? a : b; }
 static inline long long sx_imax(long long a, long long b) { return a > b ? a : b; }
 static inline long long sx_imin(long long a, long long b) { return a < b ? a : b; }
+
+/* exp and erf without a call, so loops over them vectorize (glibc's vector math needs -ffast-math).
+   sx_expf: exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), exp(r) a degree-6
+   polynomial (Cephes' expf): within 1 ulp; 0 below -87.3 (no subnormals), inf above ln(FLT_MAX), NaN kept.
+   sx_erff: Eigen's and XLA's float erf, x P(x^2) / Q(x^2) of degrees 13/10 on [-4, 4] (erf(+-4) is +-1 in
+   f32): within 2 ulps. */
+static inline float sx_expf(float x) {
+    /* clamps by comparisons (fminf and fmaxf are calls, which keep a loop from vectorizing) */
+    const float low = x < -88.0f ? -88.0f : x, c = low > 88.72283935546875f ? 88.72283935546875f : low;
+    const float n = floorf(c * 1.44269504088896341f + 0.5f);
+    const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)n + 126) << 23;  /* 2^(n-1): n reaches 128 below ln(FLT_MAX) */
+    float scale; memcpy(&scale, &e, 4);
+    const float v = (y * scale) * 2.0f;
+    return x != x ? x : (x > 88.72283935546875f ? INFINITY : (x < -88.0f ? 0.0f : v));
+}
+static inline float sx_erff(float x) {
+    const float low = x < -4.0f ? -4.0f : x, c = low > 4.0f ? 4.0f : low;
+    const float x2 = c * c;
+    float p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+    p = x2 * p + -2.10102402082508e-06f;
+    p = x2 * p + -5.69250639462346e-05f;
+    p = x2 * p + -7.34990630326855e-04f;
+    p = x2 * p + -2.95459980854025e-03f;
+    p = x2 * p + -1.60960333262415e-02f;
+    float q = x2 * -1.45660718464996e-05f + -2.13374055278905e-04f;
+    q = x2 * q + -1.68282697438203e-03f;
+    q = x2 * q + -7.37332916720468e-03f;
+    q = x2 * q + -1.42647390514189e-02f;
+    return x != x ? x : c * p / q;
+}
 """
 
-_UNARY = {"graph.neg": "(-{0})", "graph.exp": "expf({0})", "graph.log": "logf({0})", "graph.sqrt": "sqrtf({0})",
-          "graph.rsqrt": "(1.0f / sqrtf({0}))", "graph.tanh": "tanhf({0})", "graph.erf": "erff({0})",
+_UNARY = {"graph.neg": "(-{0})", "graph.exp": "sx_expf({0})", "graph.log": "logf({0})", "graph.sqrt": "sqrtf({0})",
+          "graph.rsqrt": "(1.0f / sqrtf({0}))", "graph.tanh": "tanhf({0})", "graph.erf": "sx_erff({0})",
           "graph.abs": "fabsf({0})", "graph.recip": "(1.0f / {0})", "graph.sin": "sinf({0})",
           "graph.cos": "cosf({0})"}
 _BINARY = {"graph.add": "({0} + {1})", "graph.sub": "({0} - {1})", "graph.mul": "({0} * {1})",
@@ -333,24 +371,59 @@ class FusedKernel:
         total = math.prod(domain)
         if not domain:
             w.open("")
-            self._element(w, "0")
+            self._element(w, "0", self.body, self._inputs_of(self.body, self.yielded))
             w.close()
             return
         last = len(domain) - 1
         outer = math.prod(domain[:-1])
+        # What does not change along the domain is computed once, and what does not change along its
+        # innermost axis once per outer index (a step's learning rate, a row's statistic): a loop-invariant
+        # call of cosf or powf per element would cost more than the rest of the kernel.
+        load_levels, op_levels = self._levels_along(last)
+        ops_at = [[op for op in self.body if op_levels[op] == level] for level in range(3)]
+        loads_at = [[k for k in self._inputs_of(self.body, self.yielded) if load_levels[k] == level] for level in range(3)]
+        for k in loads_at[0]:
+            self._load(w, k)
+        self._ops(w, ops_at[0])
         w.line(parallel_for(outer, total))
         w.open(f"for (long long o = 0; o < {outer}LL; ++o)")
         _decompose(w, "o", list(range(last)), domain, "o_")
+        for k in loads_at[1]:
+            self._load(w, k)
+        self._ops(w, ops_at[1])
         w.line("#pragma omp simd")
         w.open(f"for (long long i{last} = 0; i{last} < {domain[last]}LL; ++i{last})")
-        self._element(w, f"o * {domain[last]}LL + i{last}")
+        self._element(w, f"o * {domain[last]}LL + i{last}", ops_at[2], loads_at[2])
         w.close()
         w.close()
 
-    def _element(self, w: _Writer, flat: str) -> None:
-        for k in self._inputs_of(self.body, self.yielded):
+    def _levels_along(self, last: int) -> tuple[dict[int, int], dict[Operation, int]]:
+        """How often each input's load and each body op must be made: 0 once, 1 once per outer index (it
+        does not depend on axis `last`), 2 for every element."""
+
+        def expr_level(expr: Expr, gathered: Iterable[int] = ()) -> int:
+            level = 0 if not expr.terms else (2 if any(t.axis == last for t in expr.terms) else 1)
+            return max([level, *(loads.get(k, 2) for k in gathered)])
+
+        loads: dict[int, int] = {}
+        for k in sorted(range(len(self.inputs)), key=lambda k: bool(self.maps[k].gathers)):
+            expr = self.maps[k]
+            level = expr_level(expr, [g.source for g in expr.gathers])
+            for guard_attribute, _ in self.map_attributes[k].get("guards", ()):
+                level = max(level, expr_level(Expr.from_attribute(self.domain, guard_attribute)))
+            loads[k] = level
+        ops: dict[Operation, int] = {}
+        for op in self.body:
+            if op.name == "kern.index":
+                ops[op] = expr_level(Expr.from_attribute(self.domain, op.attributes["expr"]))
+            else:
+                ops[op] = max([0, *(loads[self.args[v]] if v in self.args else ops[v.op] for v in op.operands)])
+        return loads, ops
+
+    def _element(self, w: _Writer, flat: str, ops: list[Operation], loads: list[int]) -> None:
+        for k in loads:
             self._load(w, k)
-        self._ops(w, self.body)
+        self._ops(w, ops)
         for k, v in enumerate(self.yielded):
             self._store(w, k, self._arg(v), flat)
 

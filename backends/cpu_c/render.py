@@ -45,19 +45,47 @@ GEMM_PRELUDE = r"""
 typedef void (*sx_sgemm_fn)(int, int, int, long long, long long, long long, float, const float*, long long,
                             const float*, long long, float, float*, long long);
 static sx_sgemm_fn sx_sgemm;
-void sx_set_sgemm(void* f) { sx_sgemm = (sx_sgemm_fn)f; }
+static int (*sx_blas_threads)(void);
+static void (*sx_set_blas_threads)(int);
+void sx_set_blas(void* sgemm, void* get_threads, void* set_threads) {
+    sx_sgemm = (sx_sgemm_fn)sgemm;
+    sx_blas_threads = (int (*)(void))get_threads;
+    sx_set_blas_threads = (void (*)(int))set_threads;
+}
 void sx_set_threads(int n) {
 #ifdef _OPENMP
     omp_set_num_threads(n);
 #endif
 }
 
-/* d[b] = alpha * op(a[b]) @ op(b[b]) + beta * d[b], row-major, for each of `batch` matrices. */
+/* d[i] = alpha * op(a[i]) @ op(b[i]) + beta * d[i], row-major, for each of `batch` matrices. OpenBLAS runs
+   single-threaded; a large product is cut into at most 8 blocks of rows of d (or of columns, when d has few
+   rows), of a size fixed by the shape alone, which OpenMP threads take: each element is the same BLAS
+   computation whatever the thread count. A block is at least 256 rows or columns (each repacks an operand). */
+#define SX_GEMM_PARALLEL (1LL << 21)
+static long long sx_gemm_block(long long size) {
+    const long long eighth = ((size + 7) / 8 + 15) / 16 * 16;
+    return eighth < 256 ? 256 : eighth;
+}
 static void sx_gemm(int ta, int tb, long long m, long long n, long long k, long long batch, float alpha,
                     const float* a, long long stride_a, const float* b, long long stride_b, float beta, float* d) {
-    for (long long i = 0; i < batch; ++i)
-        sx_sgemm(101, ta ? 112 : 111, tb ? 112 : 111, m, n, k, alpha, a + i * stride_a, ta ? m : k,
-                 b + i * stride_b, tb ? k : n, beta, d + i * m * n, n);
+    const long long lda = ta ? m : k, ldb = tb ? k : n;
+    const long long work = batch * m * n * k;
+    long long rows = m, cols = n;
+    if (work >= SX_GEMM_PARALLEL && m >= 512) rows = sx_gemm_block(m);
+    else if (work >= SX_GEMM_PARALLEL && n >= 512) cols = sx_gemm_block(n);
+    const long long row_blocks = (m + rows - 1) / rows, col_blocks = (n + cols - 1) / cols;
+    const long long blocks = row_blocks * col_blocks;
+    #pragma omp parallel for schedule(static) if(work >= SX_GEMM_PARALLEL)
+    for (long long job = 0; job < batch * blocks; ++job) {
+        const long long i = job / blocks, block = job % blocks;
+        const long long r0 = block / col_blocks * rows, c0 = block % col_blocks * cols;
+        const long long mm = m - r0 < rows ? m - r0 : rows, nn = n - c0 < cols ? n - c0 : cols;
+        const float* ai = a + i * stride_a + (ta ? r0 : r0 * lda);
+        const float* bi = b + i * stride_b + (tb ? c0 * ldb : c0);
+        sx_sgemm(101, ta ? 112 : 111, tb ? 112 : 111, mm, nn, k, alpha, ai, lda, bi, ldb, beta,
+                 d + i * m * n + r0 * n + c0, n);
+    }
 }
 
 static void sx_widen_bf16(float* out, const uint16_t* in, long long count) {
@@ -123,6 +151,10 @@ class GraphLayout:
         self.constants: list[np.ndarray] = []
         self.externals: list[ExternalValue] = []
         self.statements: list[str] = []
+        #: What each statement runs ("<kind> <kernel symbol>", "gemm <batch>x<m>x<n>x<k> ..."), for profiles.
+        self.labels: list[str] = []
+        #: Where this graph's step times start in the module's profile counters (when profiled).
+        self.profile_start = 0
         self.outputs: list[Named] = []
         self.emits: list[Named] = []
         #: input index -> the index of the last step that reads it.
@@ -216,6 +248,7 @@ class GraphLayout:
         self._reads(op, [elementwise and _identity_read(kernel, k) for k in range(len(op.operands))], results)
         arguments = [self.pointer(v, const=True) for v in op.operands] + [self.pointer(r) for r in op.results]
         self.statements.append(f"{kernel_function(attrs['sym_name'])}({', '.join(arguments)});")
+        self.labels.append(f"{attrs['kind']} {attrs['sym_name']}")
         self.launched.append((attrs["sym_name"], str(op.attributes.get("path") or attrs.get("path") or "")))
 
     def _gemm(self, op: Operation) -> None:
@@ -228,6 +261,8 @@ class GraphLayout:
         self._reads(op, [False, False] + ([False] if has_bias else []) + ([True] if accumulate else []), [d_place])
         self._workspace_used = 0
         self.statements.append(self._gemm_code(op, has_bias, accumulate))
+        m, n, k = gemm_dims(op)
+        self.labels.append(f"gemm {attrs['batch']}x{m}x{n}x{k} {op.results[0].type.dtype} {attrs.get('path', '')}")
         self.gemms += 1
 
     def _gemm_code(self, op: Operation, has_bias: bool, accumulate: bool) -> str:
@@ -287,9 +322,19 @@ class GraphLayout:
         self.workspace_bytes = max(self.workspace_bytes, self._workspace_used)
         return offset
 
-    def code(self) -> str:
-        body = "\n    ".join(self.statements)
-        return f"void {self.function}(char* const* base) {{\n    {body}\n}}\n"
+    def code(self, profiled: bool = False) -> str:
+        statements = self.statements
+        if profiled:  # each step's process CPU seconds added into the module's counters (`sx_profile`)
+            statements = [f"{{ const double t0 = sx_cpu_seconds(); {text} sx_seconds[{self.profile_start + i}] += "
+                          "sx_cpu_seconds() - t0; }" for i, text in enumerate(statements)]
+        body = "\n    ".join(statements)
+        if not self.gemms:
+            return f"void {self.function}(char* const* base) {{\n    {body}\n}}\n"
+        return (f"void {self.function}(char* const* base) {{\n"
+                "    const int blas_threads = sx_blas_threads();\n"
+                "    sx_set_blas_threads(1);\n"
+                f"    {body}\n"
+                "    sx_set_blas_threads(blas_threads);\n}\n")
 
 
 def _identity_read(kernel: Operation, operand: int) -> bool:
@@ -322,8 +367,9 @@ class Rendered:
         return found
 
 
-def render_module(module: Operation) -> Rendered:
-    """The C of every kernel and graph of a lowered module (see the module docstring)."""
+def render_module(module: Operation, profiled: bool = False) -> Rendered:
+    """The C of every kernel and graph of a lowered module (see the module docstring); `profiled` adds up
+    each step's process CPU seconds in counters `sx_profile()` returns (`GraphLayout.profile_start`, `labels`)."""
     parts = [PRELUDE, GEMM_PRELUDE]
     line = sum(p.count("\n") for p in parts) + 1
     kernel_lines: list[tuple[int, str, str]] = []
@@ -339,10 +385,18 @@ def render_module(module: Operation) -> Rendered:
     # Graph functions after every kernel: a compiler error there is in no kernel.
     kernel_lines.append((line, "", ""))
     graphs: dict[str, GraphLayout] = {}
+    steps = 0
     for number, func in enumerate(graph_funcs(module)):
         layout = GraphLayout(func, f"sxg_{number}_{identifier(str(func.attributes['sym_name']))}")
+        layout.profile_start = steps
+        steps += layout.steps
         graphs[layout.name] = layout
-        parts.append(layout.code())
+    if profiled:
+        parts.append(f"#include <time.h>\nstatic double sx_seconds[{max(steps, 1)}];\n"
+                     "double* sx_profile(void) { return sx_seconds; }\n"
+                     "static double sx_cpu_seconds(void) {\n"
+                     "    struct timespec t; clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec;\n}\n")
+    parts += [layout.code(profiled) for layout in graphs.values()]
     return Rendered("\n".join(parts), graphs, kernel_lines, kernels)
 
 

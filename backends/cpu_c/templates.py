@@ -72,7 +72,7 @@ def _softmax_stats(o: _Operands, x: str, cols: int, indent: str = "        ") ->
     return (f"{indent}float m = -INFINITY;\n"
             f"{indent}for (long long c = 0; c < {cols}LL; ++c) m = sx_fmax(m, {o.ld(x, 'base + c')});\n"
             f"{indent}float s = 0.0f;\n"
-            f"{indent}for (long long c = 0; c < {cols}LL; ++c) s += expf({o.ld(x, 'base + c')} - m);\n")
+            f"{indent}for (long long c = 0; c < {cols}LL; ++c) s += sx_expf({o.ld(x, 'base + c')} - m);\n")
 
 
 def _each(o: _Operands, cols: int, statements: str, indent: str = "        ") -> str:
@@ -83,7 +83,7 @@ def _each(o: _Operands, cols: int, statements: str, indent: str = "        ") ->
 
 def _softmax(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
     body = _softmax_stats(o, "x", cols) + "        const float inverse = 1.0f / s;\n"
-    body += _each(o, cols, "            " + o.st("y", "base + c", f"expf({o.ld('x', 'base + c')} - m) * inverse") + "\n")
+    body += _each(o, cols, "            " + o.st("y", "base + c", f"sx_expf({o.ld('x', 'base + c')} - m) * inverse") + "\n")
     return _rows_loop(rows, cols, body)
 
 
@@ -130,7 +130,7 @@ def _softmax_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
 
 def _log_softmax_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
     body = _sum(o, "total", lambda i: o.ld("dy", i), cols)
-    value = f"{o.ld('dy', 'base + c')} - expf({o.ld('y', 'base + c')}) * total"
+    value = f"{o.ld('dy', 'base + c')} - sx_expf({o.ld('y', 'base + c')}) * total"
     body += _each(o, cols, "            " + o.st("dx", "base + c", value) + "\n")
     return _rows_loop(rows, cols, body)
 
@@ -231,7 +231,7 @@ def _cross_entropy_backward(o: _Operands, rows: int, vocab: int, attrs: dict) ->
     upstream = f"{dloss} * {float_literal(attrs.get('scale', 1.0))}" + (f" / {rows}" if attrs.get("mean") else "")
     body = _target(o, vocab) + f"        const float upstream = {upstream};\n"
     body += f"        const float lse_r = {o.ld('lse', 'row')};\n"
-    value = f"(expf({o.ld('logits', 'base + c')} - lse_r) - (c == target ? 1.0f : 0.0f)) * upstream"
+    value = f"(sx_expf({o.ld('logits', 'base + c')} - lse_r) - (c == target ? 1.0f : 0.0f)) * upstream"
     body += _each(o, vocab, "            " + o.st("dlogits", "base + c", value) + "\n")
     return _rows_loop(rows, vocab, body)
 
