@@ -56,7 +56,7 @@ import numpy as np
 from attrs import frozen
 
 from ..devices import open_device
-from ..diagnostics import SxError, display_path, source_digest
+from ..diagnostics import SxError, UsageError, display_path, source_digest
 from ..dialects.core import Operation, TensorType
 from ..dialects.inits import initial_params
 from ..dialects.parser import parse_module
@@ -759,9 +759,12 @@ def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
 def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str] | None = None,
           out: str | Path | None = None,
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
-          interactive: bool | None = None) -> RunResult:
-    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do."""
-    executor = open_device(device, "run")
+          interactive: bool | None = None, threads: int | None = None) -> RunResult:
+    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do. `threads` sets the `cpu-c`
+    device's threads (OpenMP and BLAS; by default `$OMP_NUM_THREADS`, else every core)."""
+    if threads is not None and device != "cpu-c":
+        raise UsageError(f"--threads sets the threads of --device cpu-c, not of --device {device}")
+    executor = open_device(device, "run", **({"threads": threads} if threads is not None else {}))
     plan = TrainingPlan.compile(path, variant, sets)
     resume_path = Path(resume) if resume is not None else None
     if out is not None:

@@ -117,6 +117,7 @@ def main() -> int:
 
     from sexpgpu.backends.loaders import Loader
     from sexpgpu.backends.training import Trainer, TrainingPlan
+
     from sexpgpu.devices import open_device
 
     variant = None if args.variant == "none" else args.variant

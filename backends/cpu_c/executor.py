@@ -29,7 +29,7 @@ import numpy as np
 
 from ...diagnostics import SxError, UsageError
 from ...dialects.core import Operation, Region, TensorType
-from ...dialects.graph import graph_funcs
+from ...dialects.graph import graph_funcs, input_name, input_role, return_names
 from ...dialects.rewriting import clone_op
 from ...passes.lowering_report import lowering_document
 from ...passes.manager import CompilationUnit, run_pipeline
@@ -96,12 +96,21 @@ class CpuCExecutor(Executor):
 
     # -- compiling -------------------------------------------------------------------------------------
 
-    def compile(self, func: Operation) -> CpuCExecutable:
+    def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
         name = str(func.attributes["sym_name"])
         module = _module_of(func)
         lowered = self._lowered(module) if module is not None else None
         if lowered is None or name not in lowered.layouts:
-            lowered = self._lower(_module_holding(func))
+            # Alone: the driver's own graphs, and update graphs the lowering merged into their group's (which
+            # a run calls only for a parameter outside every flat group), lowered and compiled when first called.
+            return DeferredExecutable(self, func)
+        return self._executable(lowered, name)
+
+    def compile_alone(self, func: Operation) -> CpuCExecutable:
+        """A graph lowered, compiled and loaded on its own (in a module of its own)."""
+        return self._executable(self._lower(_module_holding(func)), str(func.attributes["sym_name"]))
+
+    def _executable(self, lowered: LoweredModule, name: str) -> CpuCExecutable:
         layout = lowered.layouts[name]
         self._arena = _grown(self._arena, layout.arena_bytes)
         self._workspace = _grown(self._workspace, layout.workspace_bytes)
@@ -196,6 +205,24 @@ class CpuCExecutor(Executor):
                             total_memory=None, free_memory=None, stacking=None, captured=frozenset(),
                             capture_off=document["capture"]["off"])
         return apply_device(document, facts)
+
+
+class DeferredExecutable:
+    """A graph compiled on its own when first called (`CpuCExecutor.compile`)."""
+
+    def __init__(self, executor: CpuCExecutor, func: Operation) -> None:
+        self.executor = executor
+        self.func = func
+        self.name = str(func.attributes["sym_name"])
+        self.inputs = [_Input(input_name(op), input_role(op), op.result.type)
+                       for op in func.body.ops if op.name == "graph.input"]
+        self.output_names = next(return_names(op) for op in func.body.ops if op.name == "graph.return")
+        self._compiled: CpuCExecutable | None = None
+
+    def __call__(self, inputs: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> CpuCResult:
+        if self._compiled is None:
+            self._compiled = self.executor.compile_alone(self.func)
+        return self._compiled(inputs, out)
 
 
 class CpuCResult:
