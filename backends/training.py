@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 
-from ..diagnostics import SxError, display_path, source_digest
+from ..diagnostics import SxError, UsageError, display_path, source_digest
 from ..dialects.core import Operation
 from ..dialects.graph import is_derived
 from ..dialects.inits import initial_params
@@ -789,13 +789,16 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
           out: str | Path | None = None,
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
           interactive: bool | None = None, lowering_text: LoweringText | None = None,
-          world: Communicator | None = None) -> RunResult:
+          world: Communicator | None = None, threads: int | None = None) -> RunResult:
     """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do: as one of the data-parallel
     ranks of `world` where given (docs/distributed.md). `lowering_text` renders what the executor lowered,
     for the run to print before its first step and record (`sexpgpu.train` passes the report's renderer);
-    without it the run prints and records no lowering report."""
+    without it the run prints and records no lowering report. `threads` sets the `cpu-c` device's threads
+    (OpenMP and BLAS; by default `$OMP_NUM_THREADS`, else every core)."""
+    if threads is not None and device != "cpu-c":
+        raise UsageError(f"--threads sets the threads of --device cpu-c, not of --device {device}")
     world = world if world is not None else SingleProcess()
-    executor = open_device(device, "run")
+    executor = open_device(device, "run", **({"threads": threads} if threads is not None else {}))
     plan = TrainingPlan.compile(path, variant, sets, stacking=executor.stacks_microbatches)
     resume_path = Path(resume) if resume is not None else None
     if out is not None:

@@ -42,7 +42,7 @@ from ..dialects.kern import gemm_dims
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
 #: Executors the report is written for (the first word of its first line).
-EXECUTORS = ("cuda", "cuda-sim")
+EXECUTORS = ("cuda", "cuda-sim", "cpu-c")
 
 
 def lowering_document(

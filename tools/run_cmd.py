@@ -12,6 +12,16 @@ from ..report.lowering_text import lowering_text
 from .common import add_device_flag, add_ranks_flag, guarded, requested_ranks
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
     add_device_flag(parser, "where to train")
@@ -19,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from a run directory's latest checkpoint, or from one checkpoints/step-N")
     add_ranks_flag(parser, "data-parallel ranks: start N processes (on cpu; on cuda, one per SEXPGPU_DEVICES id)")
+    parser.add_argument("--threads", type=positive_int, metavar="N",
+                        help="cpu-c: OpenMP and BLAS threads (default: $OMP_NUM_THREADS, else every core); "
+                             "results do not depend on it")
 
 
 def rank_arguments(args: argparse.Namespace, ranks: int, out: str) -> list[str]:
@@ -30,6 +43,8 @@ def rank_arguments(args: argparse.Namespace, ranks: int, out: str) -> list[str]:
         words += ["--set", assignment]
     if args.resume is not None:
         words += ["--resume", args.resume]
+    if args.threads is not None:
+        words += ["--threads", str(args.threads)]
     return words
 
 
@@ -45,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         result = train(args.file, variant=args.variant, sets=args.set, out=args.out, resume=args.resume,
-                       device=args.device, lowering_text=lowering_text, world=world)
+                       device=args.device, lowering_text=lowering_text, world=world,
+                       threads=args.threads)
         if result.status == "diverged":
             if world.is_root:
                 print(f"error: training diverged at {result.message}", file=sys.stderr)
