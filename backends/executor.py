@@ -28,12 +28,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from attrs import frozen
 
 from ..diagnostics import SxError
-from ..report import render_lowering
 
 if TYPE_CHECKING:
     import numpy as np
 
     from ..dialects.core import Operation, TensorType
+    from ..passes.lowering_report import LoweringFacts
+
+#: How the layer above the executors renders their lowering facts as text (`sexpgpu.report.lowering_text`):
+#: the training driver takes one to print a run's lowering report, since no backend renders a report.
+LoweringText = Callable[["LoweringFacts"], str]
 
 #: An executor's array. The driver never looks inside one: it passes arrays to graphs and to the
 #: executor's array operations, and reads values on the host through `Executor.download`.
@@ -92,6 +96,9 @@ class Executor(ABC):
 
     #: The device name it is registered under (`--device`).
     device: str
+    #: Whether `stacking` may choose more than one microbatch a call: the driver then compiles the
+    #: stacking variants for it (`passes.pipelines.STACK_VARIANTS`).
+    stacks_microbatches: bool = False
 
     @abstractmethod
     def compile(self, func: Operation) -> Executable:
@@ -132,23 +139,20 @@ class Executor(ABC):
         on a GPU, a device scalar a captured graph reads at a fixed address."""
         return self.zeros((), dtype)
 
-    def stacking(self, microbatches: int, build: Callable[[int], Operation]) -> int:
-        """How many microbatches one call of `train_stacked` runs here: a divisor of `microbatches`.
-        `build(k)` makes the `train_stacked` graph for k (the largest that fits a device's memory is
-        chosen). 1, the default, keeps one call per microbatch."""
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        """How many microbatches one call of a stacked train graph runs here: 1 or a degree of
+        `variants`, the stacking variants the compiler made (`stack-variants`: degree k →
+        `@train_stacked/<k>` and, below `microbatches`, its accumulating twin). A device compiles
+        them (`compile` then returns what it made) and chooses the largest whose activations fit its
+        memory. 1, the default, keeps one call per microbatch."""
         return 1
 
-    def lowering_document(self) -> dict[str, Any] | None:
-        """What the device made of the graphs compiled so far, as the lowering report's numbers
-        (`passes/lowering_report.py`; `explain --json` puts them under `device`); None where nothing
-        is lowered (the interpreter)."""
+    def lowering_facts(self) -> LoweringFacts | None:
+        """What the device made of the graphs compiled so far: the lowering document and the opened device's
+        facts (`passes/lowering_report.py`), which `run` prints before its first step and `explain --device`
+        shows (the top layer renders them: an executor renders no text); None where nothing is lowered
+        (the interpreter)."""
         return None
-
-    def lowering_report(self) -> str | None:
-        """The lowering report's text (docs/cuda.md) of `lowering_document`, for `run` to print before its
-        first step and `explain --device` to show; None where nothing is lowered."""
-        document = self.lowering_document()
-        return None if document is None else render_lowering(document).rstrip("\n")
 
 
 class ExecutorUnavailable(SxError):

@@ -12,17 +12,8 @@ from __future__ import annotations
 import os
 import resource
 
+from ..byte_text import show_bytes
 from ..diagnostics import Location, SxError
-
-
-def format_bytes(nbytes: int) -> str:
-    """Bytes to three significant digits in the largest binary unit: 512 B, 14.6 MiB, 1.49 GiB."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def available_bytes() -> int | None:
@@ -46,8 +37,8 @@ def check_tensors_fit(tensors: list[tuple[str, int, Location | None]], what: str
         return
     name, nbytes, loc = max(tensors, key=lambda t: t[1])
     raise SxError(
-        f"{what} need {format_bytes(total)} ({total} bytes), more than the {format_bytes(limit)} of memory this "
-        f"process may use; the largest, {name}, needs {format_bytes(nbytes)} of it",
+        f"{what} need {show_bytes(total)} ({total} bytes), more than the {show_bytes(limit)} of memory this "
+        f"process may use; the largest, {name}, needs {show_bytes(nbytes)} of it",
         loc,
     )
 
@@ -55,8 +46,8 @@ def check_tensors_fit(tensors: list[tuple[str, int, Location | None]], what: str
 def out_of_memory(what: str, nbytes: int, loc: Location | None, detail: str = "") -> SxError:
     """The error for an allocation of `nbytes` for `what` that failed."""
     limit = available_bytes()
-    room = f"; this process may use {format_bytes(limit)}" if limit is not None else ""
-    return SxError(f"out of memory: {what} needs {format_bytes(nbytes)} ({nbytes} bytes){detail}{room}", loc)
+    room = f"; this process may use {show_bytes(limit)}" if limit is not None else ""
+    return SxError(f"out of memory: {what} needs {show_bytes(nbytes)} ({nbytes} bytes){detail}{room}", loc)
 
 
 def check_training_tensors_fit(ops: list) -> None:

@@ -26,7 +26,8 @@ from sexpgpu.passes.ir_json import write_ir
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
 from sexpgpu.passes.pipelines import TRAINING_PIPELINE
 
-from sexpgpu.report import build_document, render_text
+from sexpgpu.report.document import build_document
+from sexpgpu.report.explain_text import render_text
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GPT2_SMALL = ["layers=12", "width=768", "heads=12", "seq=1024"]

@@ -25,6 +25,9 @@ What `evaluate` makes (later passes add what their docstrings say):
              evaluations = [names], diagnostics = [names]}
     graph.func @train {kind = "train"}: inputs role "param" (named by path) and
              role "batch" (named by field); returns ["loss"]; autodiff adds "grad/<path>"
+    graph.func @sample {kind = "inference"}: only when `evaluate{inference=true}` asks (what
+             `sexpgpu sample` compiles): the model's forward for one sequence, inputs role "param"
+             and the batch input "tokens" [1, seq]; returns ["logits"] [1, seq, vocab]
 
 The constants below (graph kinds, optimizers and their defaults, reducers,
 precisions) are their one definition: the frontend, the passes and the
@@ -39,11 +42,20 @@ from .core import OpDef, Operation, VerifyError, register_op
 
 #: The kinds (`kind` attribute) of the graphs that run the model on a microbatch: the precision
 #: policy casts them and the memory plan bounds their activations.
-MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
+MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation", "inference")
 #: The kinds of the graphs that update parameters from gradients once a step: their constants fold.
 OPTIMIZER_GRAPH_KINDS = ("clip", "update")
 #: Every kind of `graph.func`, in the order reports list graphs.
 GRAPH_KINDS = MODEL_GRAPH_KINDS + OPTIMIZER_GRAPH_KINDS
+#: The order reports list graphs in, by kind; a graph of no kind goes last.
+GRAPH_ORDER = {kind: i for i, kind in enumerate(GRAPH_KINDS)}
+#: How a `graph.func`'s kind reads in reports; evaluations and clip graphs read as their symbol.
+KIND_TITLES = {
+    "train": "train",
+    "train_accumulating": "train accumulating",
+    "train_stacked": "train stacked",
+    "train_diagnosed": "train diagnosed",
+}
 
 #: Each optimizer (`exp.group` `optimizer`) and the hyperparameters a group leaves out take:
 #: PyTorch's defaults, so a bare (adamw :lr 1e-3) means what it means there.
@@ -57,6 +69,12 @@ OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 REDUCERS = ("mean", "rms", "max", "min", "norm")
 #: The run's precisions (`exp.run` `precision`): f32, or bf16 compute with f32 master weights.
 PRECISIONS = ("f32", "bf16")
+#: How a token source's ids relate to text (a loader source's `tokenizer`): one id per byte, GPT-2's
+#: BPE (through tiktoken), or ids without text.
+TOKENIZERS = ("bytes", "gpt2", "none")
+#: The layouts of a `token-file` (its `format`): `auto` reads llm.c's header when the file starts with
+#: one, `llmc` requires it, `nanogpt` is a headerless stream.
+TOKEN_FILE_FORMATS = ("auto", "llmc", "nanogpt")
 
 #: The epsilon of global-norm clipping (`exp.group` `clip`): grads scale by min(1, clip / (norm + eps)),
 #: as torch.nn.utils.clip_grad_norm_ does. The clip graphs and any backend's own clipping share it.
@@ -134,3 +152,12 @@ class RunOp(_ExpOp):
         super().verify(op)
         if op.attributes["precision"] not in PRECISIONS:
             raise VerifyError(f"precision must be {' or '.join(PRECISIONS)}, got {op.attributes['precision']}", op)
+
+
+def graph_title(func: Operation) -> str:
+    """A `graph.func`'s row name in the reports: `train accumulating`, `update <group>` (a group's update
+    graphs share one row), else its symbol (an evaluation's name, a clip graph's)."""
+    kind = func.attributes.get("kind", "")
+    if kind == "update":
+        return f"update {func.attributes.get('group', func.attributes['sym_name'])}"
+    return KIND_TITLES.get(kind, func.attributes["sym_name"])

@@ -41,7 +41,8 @@ class ShapeError(VerifyError):
 
 
 def show_shape(shape: Sequence[int]) -> str:
-    return "[" + " ".join(str(d) for d in shape) + "]"
+    """A shape as messages and reports write it: `[4, 128, 50304]` (the explain page's spelling)."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def normalize_axis(axis: int, rank: int, what: str = "axis") -> int:
@@ -635,6 +636,20 @@ class ObserveOp(_Emit):
 def func_kind(func: Operation) -> str | None:
     """A `graph.func`'s kind (`exp.GRAPH_KINDS`), None when it has none."""
     return func.attributes.get("kind")
+
+
+def is_derived(func: Operation) -> bool:
+    """Whether a `graph.func` is one the run pipeline derived from the experiment's graphs for the
+    training driver (`derived = true`: a group's flat update, a flat clip, the gradient scaling, a
+    stacking variant), which follows from them and so is no part of what the experiment is."""
+    return func.attributes.get("derived") is True
+
+
+def erase_derived(module: Operation, *kinds: str) -> None:
+    """Erase the derived graphs of these kinds from a module (a pass that adds them, run again, replaces them)."""
+    for func in graph_funcs(module):
+        if is_derived(func) and func_kind(func) in kinds:
+            func.erase()
 
 
 def return_names(ret: Operation) -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any
 from attrs import define, field
 
 from ..diagnostics import Location, SxError, UsageError, nearest
+from ..float_text import shortest_float
 from .data import SELF_EVALUATING_NAMES, Symbol
 
 SOURCES = ("default", "variant", "set")
@@ -70,16 +71,21 @@ def described_type(kind: str) -> str:
 
 
 def show_value(value: Any) -> str:
-    """A knob value as the source would write it."""
+    """A knob value or folded constant as messages and reports write it (`knobs`, `explain`, `diff`): `true`,
+    `nil`, a float as the shortest text that reads back as it, without a trailing `.0` (`0.0015`, `1e-10`,
+    `1`, `nan`), a list as a vector (`[0.9 0.95]`), a dtype or other symbol by its name and a string as its
+    text: the IR keeps a dtype knob as its name, so a report could not tell the two apart."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, Symbol):
-        return value.name
-    if isinstance(value, str):
-        return '"' + value + '"'
     if value is None:
         return "nil"
-    return repr(value) if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return shortest_float(value).removesuffix(".0")
+    if isinstance(value, (list, tuple)):
+        return "[" + " ".join(show_value(v) for v in value) + "]"
+    if isinstance(value, Symbol):
+        return value.name
+    return str(value)
 
 
 def plain_value(value: Any) -> Any:

@@ -1,6 +1,6 @@
 """`explain{json=false}`: the explain report of the unit's experiment, written to `unit.out`.
 
-The document comes from `sexpgpu.report.build_document` (the module plus the
+The document comes from `sexpgpu.report.document.build_document` (the module plus the
 facts earlier passes left: casts and kept-f32 sites from `insert-casts`, the
 memory bound from `plan-memory`); with `json=true` the pass writes the
 document itself, pretty-printed, instead of its text.
@@ -13,7 +13,8 @@ from typing import ClassVar
 
 from attrs import define
 
-from ..report import build_document, render_text
+from ..report.document import build_document
+from ..report.explain_text import render_text
 from .manager import CompilationUnit, DumpPass, register_pass
 
 

@@ -51,11 +51,11 @@ from attrs import define
 from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
-from ..dialects.graph import cast_dtype, func_kind, graph_funcs, op_axis, transpose_perm
+from ..dialects.graph import cast_dtype, func_kind, graph_funcs, is_derived, op_axis, transpose_perm
 from ..dialects.index_maps import Expr, reshape_index
 from ..dialects.printer import print_op
 from .dce import eliminate_dead_ops
-from .flat_updates import flat_update_graph
+from .flat_updates import group_update_graph
 from .fuse_plan import (
     FREE_VIEWS,
     INDEX_VIEWS,
@@ -175,33 +175,23 @@ def merge_update_groups(module: Operation) -> tuple[dict[str, dict[str, Any]], l
     fell_back: list[dict[str, Any]] = []
     by_group: dict[str, list[Operation]] = {}
     for func in graph_funcs(module):
-        if func_kind(func) == "update" and "group" in func.attributes:
+        # A group's flat update that `flatten-updates` added for the driver is not one of its members.
+        if func_kind(func) == "update" and "group" in func.attributes and not is_derived(func):
             by_group.setdefault(func.attributes["group"], []).append(func)
     for group, funcs in by_group.items():
-        sizes = [_param_type(f).numel for f in funcs]
-        flat = flat_update_graph(funcs, sum(sizes)) if len(funcs) > 1 else None
+        flat = group_update_graph(funcs)
         if flat is None:
             if len(funcs) > 1:
                 fell_back.append({"graph": f"update {group}", "family": "multi-tensor update", "path": group,
                                   "reason": "its members' update graphs differ beyond their shapes: "
                                             "one update kernel per member"})
             continue
-        members, start = [], 0
-        for func, size in zip(funcs, sizes):
-            members.append({"path": func.attributes["param"], "start": start, "numel": size})
-            start += size
-        flat.attributes["members"] = members
         module.body.insert_before(flat, funcs[0])
         merged[group] = {"graphs": len(funcs), "nodes": sum(len(f.body) for f in funcs),
                          "graph": flat.attributes["sym_name"]}
         for func in funcs:
             func.erase()
     return merged, fell_back
-
-
-def _param_type(func: Operation) -> TensorType:
-    return next(op.result.type for op in func.body.ops
-                if op.name == "graph.input" and op.attributes.get("role") == "param")
 
 
 # -- one graph --------------------------------------------------------------------------------

@@ -4,16 +4,18 @@
 and the facts its passes left (`unit.facts["lowering"]`: `match-patterns`'
 families, `fuse`'s rows and update groups, `plan-buffers`' arenas), and
 returns one dict with stable keys (the `device` object of
-`sexpgpu/schemas/explain.schema.json`). `sexpgpu.report.render_lowering`
+`sexpgpu/schemas/explain.schema.json`). `sexpgpu.report.lowering_text`
 renders it, and only it, as the report's text: `explain --device cuda` prints
-it in place of the device hole, the CUDA executor before a run's first step.
+it in place of the device hole, `run` before its first step.
 
 What only the compiler can tell (the registers and spills of every kernel)
 comes in as `compiled`, plain data the caller gathers from NVRTC
 (`backends/cuda/lowering.py`); what only an opened device can tell (its name,
-its memory, the stacking degree a run chose, which graphs it captured) comes
-in as `sexpgpu.report.DeviceFacts`, each field None where nothing was
-measured.
+its memory, the stacking degree a run chose, which graphs it captured) is a
+`DeviceFacts`, each field None where nothing was measured, and
+`apply_device` writes it into a document. An executor hands both up as
+`LoweringFacts` (`Executor.lowering_facts`): facts, never text, so the
+backends render nothing and the layer above them prints.
 
 Rows: one per graph, in the explain report's order (train, train
 accumulating, train stacked, train diagnosed, each evaluation by name, clip
@@ -26,13 +28,16 @@ counts.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from attrs import frozen
+
 from ..dialects.core import Operation
+from ..dialects.exp import GRAPH_ORDER, graph_title
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
-from ..report import GRAPH_ORDER, DeviceFacts, apply_device, graph_title
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
@@ -46,15 +51,13 @@ def lowering_document(
     arch: str,
     executor: str = "cuda",
     compiled: Mapping[str, Any] | None = None,
-    device: DeviceFacts | None = None,
     launches: bool = False,
 ) -> dict[str, Any]:
     """The lowering document of a module after `CUDA_LOWERING` and the facts its passes left (`unit.facts`).
 
     `arch` is the architecture the kernels were compiled for (`sm_90`); `compiled` the compiler's figures
-    (`backends/cuda/lowering.compile_facts`), None when nothing was compiled; `device` what the opened device
-    told (`apply_device`); `launches` adds every launch of each row's first graph, in execution order
-    (`SEXPGPU_EXPLAIN=kernels`).
+    (`backends/cuda/lowering.compile_facts`), None when nothing was compiled; `launches` adds every launch of each row's first graph, in execution order
+    (`SEXPGPU_EXPLAIN=kernels`). The device's fields are None: no device told them (`apply_device`).
     """
     if executor not in EXECUTORS:
         raise ValueError(f"no lowering report for executor {executor!r}")
@@ -77,7 +80,51 @@ def lowering_document(
         "capture": {"measured": False, "off": None},
         "compiled": dict(compiled) if compiled is not None else None,
     }
-    return apply_device(document, device) if device is not None else document
+    return document
+
+
+@frozen
+class DeviceFacts:
+    """What an opened device tells the report; None for what was not measured (no device, or not yet)."""
+
+    #: The device's name as its driver gives it (`NVIDIA H200`).
+    name: str | None = None
+    #: Bytes of device memory in all, and free when the device opened.
+    total_memory: int | None = None
+    free_memory: int | None = None
+    #: The stacking degree the run chose (`train stacked` runs that many microbatches a call).
+    stacking: int | None = None
+    #: The graphs (symbol names) the run submits as captured segments; None when capture was not decided.
+    captured: frozenset[str] | None = None
+    #: Why capture is off on this device, when it is (PyCUDA has no stream capture).
+    capture_off: str | None = None
+
+
+def apply_device(document: dict[str, Any], device: DeviceFacts) -> dict[str, Any]:
+    """`document` (in place, and returned) with what an opened device told: its name, memory, the stacking
+    degree chosen and the rows it captures. A document is built without these first, so a report of the same
+    lowering (the lowering cache's) takes a device's figures later."""
+    document["name"] = device.name
+    document["memory"].update(total_bytes=device.total_memory, free_bytes=device.free_memory)
+    document["stacking"]["chosen"] = device.stacking
+    document["capture"] = {"measured": device.captured is not None, "off": device.capture_off}
+    for row in document["rows"]:
+        row["captured"] = None if device.captured is None else any(s in device.captured for s in row["symbols"])
+    return document
+
+
+@frozen
+class LoweringFacts:
+    """What an executor made of the graphs it compiled (`Executor.lowering_facts`): the lowering document, as
+    the compiler alone tells it, and what the opened device told. The layer above the executors renders them."""
+
+    #: The lowering document without the device's figures (`lowering_document`).
+    document: dict[str, Any]
+    device: DeviceFacts
+
+    def measured(self) -> dict[str, Any]:
+        """A copy of the document with the device's figures (`explain --json`'s `device` object)."""
+        return apply_device(copy.deepcopy(self.document), self.device)
 
 
 def without_launches(document: dict[str, Any]) -> dict[str, Any]:

@@ -95,11 +95,18 @@ class MatchPatterns(Pass):
 def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
     where = f"{plan.loc}: " if plan.loc is not None else ""
     what = f"{_display(plan.family)} at {plan.path or '(no path)'} in @{graph}"
+    declined = "".join(f"\n{where}remark: {_display(_forward_key(family))} at {plan.path or '(no path)'} in @{graph}: "
+                       f"fell back: {reason}" for family, reason in plan.match.declined)
     if plan.taken:
         forms = "".join(f"; as {form}" for form in plan.match.forms)
         kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
-        return f"{where}remark: {what}: kernel {kernels}{forms}"
-    return f"{where}remark: {what}: fell back: {plan.reason}"
+        return f"{where}remark: {what}: kernel {kernels}{forms}{declined}"
+    return f"{where}remark: {what}: fell back: {plan.reason}{declined}"
+
+
+def _forward_key(family: str) -> str:
+    """A forward family's name in the facts (the cross-entropy tail's carries its direction)."""
+    return "cross_entropy_forward" if family == "cross_entropy" else family
 
 
 def _display(family: str) -> str:
@@ -110,18 +117,25 @@ def pattern_facts(plans: list[Plan], symbols: dict[Plan, list[str]]) -> dict[str
     """Per family: its report group, direction, kernels, how often it fired, the model paths of its regions,
     the `as` forms found, and the regions that fell back with their reasons."""
     facts: dict[str, dict[str, Any]] = {}
+
+    def entry_of(family: str, kind: str, direction: str) -> dict[str, Any]:
+        return facts.setdefault(family, {"group": GROUPS[kind], "direction": direction, "kernels": [], "fired": 0,
+                                         "paths": [], "as": [], "fell_back": []})
+
     for plan in plans:
-        entry = facts.setdefault(plan.family, {
-            "group": GROUPS[plan.match.kind], "direction": plan.match.direction, "kernels": [], "fired": 0,
-            "paths": [], "as": [], "fell_back": []})
+        loc = plan.loc.short() if plan.loc is not None else None
+        for family, reason in plan.match.declined:
+            kind = "cross_entropy" if family == "cross_entropy" else "row"
+            entry_of(_forward_key(family), kind, "forward")["fell_back"].append(
+                {"path": plan.path, "reason": reason, "loc": loc})
+        entry = entry_of(plan.family, plan.match.kind, plan.match.direction)
         if plan.taken:
             entry["kernels"].extend(symbol for symbol in symbols[plan] if symbol not in entry["kernels"])
             entry["fired"] += 1
             entry["paths"].append(plan.path)
             entry["as"].extend(form for form in plan.match.forms if form not in entry["as"])
         else:
-            entry["fell_back"].append({"path": plan.path, "reason": plan.reason,
-                                       "loc": plan.loc.short() if plan.loc is not None else None})
+            entry["fell_back"].append({"path": plan.path, "reason": plan.reason, "loc": loc})
     return facts
 
 

@@ -24,8 +24,17 @@ def compile(path: str, variant: str | None = None, set: dict[str, Any] | None = 
 def train(path: str, variant: str | None = None, set: dict[str, Any] | None = None, out: str | None = None, **options: Any) -> RunResult:  # noqa: A001
     """Train the experiment at `path` as `sexpgpu run` does; returns how the run ended."""
     from .backends.training import train as train_experiment
+    from .report.lowering_text import lowering_text
 
-    return train_experiment(path, variant, set, out, **options)
+    return train_experiment(path, variant, set, out, lowering_text=lowering_text, **options)
 
 
-__all__ = ["__version__", "compile", "train"]
+def sample(run: str, prompt: str = "\n", **options: Any) -> dict[str, Any]:
+    """Generate from a run's checkpoint as `sexpgpu sample` does; returns its `--json` document
+    (options: tokens, temperature, top_k, seed, samples, device, checkpoint, force, on_text)."""
+    from .backends.sampling import sample as sample_run
+
+    return sample_run(run, prompt, **options)
+
+
+__all__ = ["__version__", "compile", "sample", "train"]

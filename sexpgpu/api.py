@@ -74,7 +74,7 @@ class Experiment:
         `"train"` returns `{"loss", "grads": {path: array}, "metrics", "counters"}`; an
         evaluation, named by its evaluation, returns its metrics.
         """
-        from .devices import open_device
+        from .backends.devices import open_device
 
         func = self._graphs.get(name)
         if func is None:
@@ -103,7 +103,7 @@ class Experiment:
 
     def report(self) -> dict[str, Any]:
         """The explain document (what `sexpgpu explain --json` prints)."""
-        from .report import build_document
+        from .report.document import build_document
 
         return build_document(self.module, self.unit.facts, self.path)
 

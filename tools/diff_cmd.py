@@ -16,7 +16,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..report import build_document, human_count, show_shape, show_value, step_rows
+from ..dialects.graph import show_shape
+from ..frontend.selection import show_value
+from ..report.document import build_document
+from ..report.explain_text import step_rows
+from ..report.text import human_count
 from .explain_cmd import compile_unit
 
 #: Rows a section prints before summarising the rest as a count (the graphs share them fairly).
@@ -37,7 +41,7 @@ Row = tuple[str | None, str, str]
 
 
 def _knob_rows(doc: dict[str, Any]) -> Iterator[Row]:
-    yield None, "variant", show_value(doc["selection"]["variant"])
+    yield None, "variant", doc["selection"]["variant"] or "none"
     for knob in doc["selection"]["knobs"]:
         yield None, knob["name"], f"{show_value(knob['value'])} ({knob['source']})"
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..backends.training import train
+from ..report.lowering_text import lowering_text
 from .common import add_device_flag
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = train(args.file, variant=args.variant, sets=args.set, out=args.out, resume=args.resume,
-                   device=args.device)
+                   device=args.device, lowering_text=lowering_text)
     if result.status == "diverged":
         print(f"error: training diverged at {result.message}", file=sys.stderr)
         return 1

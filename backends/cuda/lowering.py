@@ -216,13 +216,13 @@ def _report_key(module: Operation, arch: str, stack: int | None, executor: str, 
 
 @functools.cache
 def code_identity() -> str:
-    """A hash of the sources that lower a module and build its report: the dialects, the passes, the CUDA
-    target and its renderer (with the CUDA they emit), the report and this module. An edited checkout never
-    reads a stale document."""
-    from ... import dialects, passes, report
+    """A hash of the sources that lower a module and build its document: the dialects, the passes (with
+    `lowering_report`), the CUDA target and its renderer (with the CUDA they emit) and this module. An edited
+    checkout never reads a stale document."""
+    from ... import dialects, passes
     from . import render
 
-    files = [Path(report.__file__), Path(__file__), Path(target.__file__)]
+    files = [Path(__file__), Path(target.__file__)]
     for package in (dialects, passes, render):
         for root in package.__path__:
             files += [p for p in Path(root).rglob("*") if p.suffix in (".py", ".cuh") and p.is_file()]

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from ...byte_text import show_bytes
 from .graph_plan import aligned, numpy_dtype
-from .runtime import Arena, DeviceOutOfMemory, DeviceRuntime, DeviceScalars, DeviceSpan, format_bytes
+from .runtime import Arena, DeviceOutOfMemory, DeviceRuntime, DeviceScalars, DeviceSpan
 
 
 class Block:
@@ -152,4 +153,4 @@ class ActivationArena:
 
 def describe_memory(runtime: DeviceRuntime) -> str:
     free, total = runtime.memory_info()
-    return f"{format_bytes(free)} free of {format_bytes(total)}"
+    return f"{show_bytes(free)} free of {show_bytes(total)}"

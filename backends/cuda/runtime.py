@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from attrs import define, field, frozen
 
+from ...byte_text import show_bytes
 from ...diagnostics import SxError
 from ..executor import OutOfDeviceMemory
 from .bf16 import bf16_bits
@@ -60,14 +61,6 @@ ALIGNMENT = 256
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     """`nbytes` rounded up to a multiple of `alignment`."""
     return -(-operator.index(nbytes) // alignment) * alignment
-
-
-def format_bytes(nbytes: int) -> str:
-    """A byte count for a message: `1.50 GiB (1610612736 bytes)`."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit} ({nbytes} bytes)"
-    return f"{nbytes} bytes"
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -88,8 +81,8 @@ class DeviceOutOfMemory(OutOfDeviceMemory):
     many bytes and how many were free (the model is too large for the device, or the batch)."""
 
     def __init__(self, what: str, requested: int, available: int, where: str) -> None:
-        super().__init__(f"out of device memory: {what} needs {format_bytes(requested)}, but only "
-                         f"{format_bytes(available)} {'are' if available != 1 else 'is'} free {where}")
+        super().__init__(f"out of device memory: {what} needs {show_bytes(requested)} ({requested} bytes), but only "
+                         f"{show_bytes(available)} ({available} bytes) {'are' if available != 1 else 'is'} free {where}")
         self.what = what
         self.requested = requested
         self.available = available
@@ -149,7 +142,7 @@ class DeviceInfo:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 
     def describe(self) -> str:
-        return (f"{self.name} (device {self.index}, {self.arch}, {format_bytes(self.total_memory)}, "
+        return (f"{self.name} (device {self.index}, {self.arch}, {show_bytes(self.total_memory)}, "
                 f"driver {self.driver})")
 
 
@@ -212,7 +205,7 @@ class Arena:
         if nbytes < 0:
             raise ValueError(f"{what}: cannot allocate {nbytes} bytes")
         if self.used + nbytes > self.capacity:
-            raise DeviceOutOfMemory(what, nbytes, self.free, f"in {self.name} of {format_bytes(self.capacity)}")
+            raise DeviceOutOfMemory(what, nbytes, self.free, f"in {self.name} of {show_bytes(self.capacity)}")
         span = DeviceSpan(self.base + self.used, nbytes)
         self.used = min(self.capacity, align_up(self.used + nbytes))
         return span
@@ -433,6 +426,16 @@ def typed_arguments(kernel: Kernel, args: Sequence) -> list[int | float]:
     return [argument_value(kernel.name, i, p, a) for i, (p, a) in enumerate(zip(kernel.params, args))]
 
 
+def check_alignment(kernel: Kernel, args: Sequence, alignment: int, model_path: str | None = None) -> None:
+    """Every pointer argument must be `alignment`-byte aligned, as the kernel's vector accesses assume;
+    else `KernelLaunchError` naming the argument, before the device meets a misaligned access."""
+    for index, (param, value) in enumerate(zip(kernel.params, args)):
+        if param.kind == "pointer" and value is not None and operator.index(value) % alignment:
+            raise KernelLaunchError(kernel.name, f"argument {index + 1} ({param.declared} {param.name}) is "
+                                    f"{operator.index(value):#x}, not {alignment}-byte aligned as the kernel's "
+                                    "vector accesses assume", model_path)
+
+
 def pack_arguments(kernel: Kernel, args: Sequence) -> PackedArguments:
     """`args` typed by the kernel's parameters and packed for cuLaunchKernel."""
     return PackedArguments(kernel.params, typed_arguments(kernel, args))
@@ -532,6 +535,9 @@ class DeviceRuntime(ABC):
     default_stream: Stream
     #: None where stream capture works; else why not, in words (for the lowering report).
     capture_unavailable: str | None = None
+    #: The model path of the launches being enqueued (the executor sets it), which an error about a
+    #: kernel's fault reported at a later call names.
+    launch_path: str | None = None
 
     def __init__(self) -> None:
         self._captures: dict[int, Capture] = {}

@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from ...byte_text import show_bytes
 from ...dialects.core import Operation, Value
 from ...dialects.graph import emit_collection
 from ...dialects.liveness import ArenaPlan, StorageLiveness
 from ...dialects.traits import Trait, ops_with
-from ..memory import format_bytes, out_of_memory
+from ..memory import out_of_memory
 from .compiled_graph import CompiledGraph, InputSpec, Registers, Step
 from .dtypes import DtypePolicy
 from .kernels import constant_value, kernel_for
@@ -74,7 +75,7 @@ class _Buffers:
             held = sum(array.nbytes for array in self.arrays.values())
             raise out_of_memory(
                 f"the {list(shape)} {storage.name} result of {value.op.name}", math.prod(shape) * storage.itemsize,
-                value.op.loc, f", after {format_bytes(held)} of the graph's other buffers",
+                value.op.loc, f", after {show_bytes(held)} of the graph's other buffers",
             ) from None
 
 

@@ -227,6 +227,8 @@ def _loc(match: Match) -> Location | None:
 
 
 def _static_reason(match: Match, target: KernelTarget) -> str | None:
+    if match.refusal is not None:
+        return match.refusal
     domain = match.region.domain
     if not domain.is_last_axis:
         return f"rows along axis {domain.axis} of {domain.rank}, not the last"

@@ -37,6 +37,8 @@ from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
 
+from sexpgpu.report.lowering_text import lowering_text
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The model and step of examples/tiny-gpt.sx, smaller, on synthetic tokens (48 validation records:
 #: twelve evaluation calls of 4).
@@ -92,7 +94,7 @@ def run(source: Path, out: Path, device: str, resume: Path | None = None) -> tup
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         result = train(str(source), out=out, resume=resume, device=device, stream=io.StringIO(),
-                       interactive=False)
+                       interactive=False, lowering_text=lowering_text)
     assert result.status == "done", result.message
     return read_events(out / "events.jsonl"), stderr.getvalue()
 

@@ -125,7 +125,7 @@ def test_an_activation_that_cannot_be_allocated_is_located_with_its_bytes(tmp_pa
     assert "huge.sx:5:" in result.stderr
     assert "error: out of memory: the [10, 20000, 20000] int32 result of graph.add needs 14.9 GiB (16000000000 " \
            "bytes)" in result.stderr
-    assert "this process may use 3 GiB" in result.stderr and "Traceback" not in result.stderr
+    assert "this process may use 3.0 GiB" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_usage_errors_are_not_reported_as_failures_of_the_run(tiny, tmp_path):

@@ -16,13 +16,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 from sexpgpu.backends.cuda.sim import SimDevice
+from sexpgpu.backends.devices import open_device
 from sexpgpu.dialects.core import Operation, Value
 from sexpgpu.dialects.kern import find_kernel
 from sexpgpu.dialects.parser import parse_module
 from sexpgpu.dialects.printer import print_module
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-
-from sexpgpu.devices import open_device
 
 NUMPY = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64, "i1": np.bool_}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}

@@ -1,6 +1,6 @@
 """The package's imports follow its layers and form no cycle.
 
-Layers, lowest first: `base` (diagnostics, version, float text) ← `dialects`
+Layers, lowest first: `base` (diagnostics, version, float text, where a Ctrl-C goes) ← `dialects`
 ← `frontend` (which feeds the dialects) ← `passes` ← `backends` ← `top` (the
 Python API and the tools). A module may import its own layer and the layers
 its layer lists below; a backend never imports the frontend. Every import
@@ -11,11 +11,14 @@ One home per target: the CUDA renderer is `backends/cuda/render/` (no
 `passes/emit_cuda/`); no pass reaches a backend, even through another module
 (the passes ask a registered kernel target, `passes/targets.py`); the GPU
 runtime (runtime, lowering, the drivers, NVRTC) never reaches `sim/`.
+Beside the layers, `NEVERS` lists imports the layers allow but the design
+does not, each with its reason; a failure names the never it breaks.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,12 +39,13 @@ LAYER_OF = {
     "sexpgpu.version": "base",
     "sexpgpu.diagnostics": "base",
     "sexpgpu.float_text": "base",
+    "sexpgpu.byte_text": "base",
+    "sexpgpu.interruption": "base",
     "sexpgpu.dialects": "dialects",
     "sexpgpu.frontend": "frontend",
     "sexpgpu.passes": "passes",
     "sexpgpu.report": "passes",
     "sexpgpu.backends": "backends",
-    "sexpgpu.devices": "backends",
 }
 #: Layer -> the layers its modules may import.
 MAY_IMPORT = {
@@ -52,6 +56,23 @@ MAY_IMPORT = {
     "backends": {"base", "dialects", "passes", "backends"},
     "top": {"base", "dialects", "frontend", "passes", "backends", "top"},
 }
+
+
+
+
+def _in_report(module: str) -> bool:
+    return module == "sexpgpu.report" or module.startswith("sexpgpu.report.")
+
+
+#: (the never, the importing modules it is about, the imported modules it forbids them).
+NEVERS: list[tuple[str, Callable[[str], bool], Callable[[str], bool]]] = [
+    ("no backend imports the report: an executor returns facts (passes/lowering_report.py's LoweringFacts), "
+     "the layer above the executors renders them",
+     lambda module: layer(module) == "backends", _in_report),
+    ("nothing below the top imports the top: the devices a verb opens are backends/devices.py, below the "
+     "training driver, which reaches up for nothing",
+     lambda module: layer(module) != "top", lambda target: layer(target) == "top"),
+]
 
 
 def package_modules() -> dict[str, Path]:
@@ -132,6 +153,27 @@ def test_imports_follow_the_layers() -> None:
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
 
 
+def broken_nevers(graph: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, str, int]]]:
+    """Each never some import breaks, with those imports (module, target, line)."""
+    broken: dict[str, list[tuple[str, str, int]]] = {}
+    for never, importer, forbidden in NEVERS:
+        for module, targets in graph.items():
+            for target, line in targets:
+                if importer(module) and forbidden(target):
+                    broken.setdefault(never, []).append((module, target, line))
+    return broken
+
+
+def test_no_import_breaks_a_never() -> None:
+    modules, graph = import_graph()
+    failures = [
+        f"never: {never}\n" + "\n".join(f"  {modules[m].relative_to(ROOT)}:{line} imports {modules[t].relative_to(ROOT)}"
+                                        for m, t, line in imports)
+        for never, imports in broken_nevers(graph).items()
+    ]
+    assert not failures, "\n".join(failures)
+
+
 def strongly_connected(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     """Tarjan's strongly connected components with more than one module."""
     index: dict[str, int] = {}
@@ -198,6 +240,14 @@ def test_the_checker_sees_a_violation_and_a_cycle() -> None:
     assert strongly_connected(graph) == [["sexpgpu.dialects.a", "sexpgpu.passes.b"]]
     assert layer("sexpgpu.passes.b") not in MAY_IMPORT[layer("sexpgpu.dialects.a")]
     assert layer("sexpgpu.frontend.x") not in MAY_IMPORT[layer("sexpgpu.backends.y")]
+    graph = {"sexpgpu.backends.executor": [("sexpgpu.report.lowering_text", 31)],
+             "sexpgpu.backends.training": [("sexpgpu.devices", 58)],
+             "sexpgpu.tools.run_cmd": [("sexpgpu.report.lowering_text", 9)]}
+    broken = broken_nevers(graph)
+    assert [imports for never, imports in broken.items() if never.startswith("no backend imports the report")] == [
+        [("sexpgpu.backends.executor", "sexpgpu.report.lowering_text", 31)]]
+    assert [imports for never, imports in broken.items() if never.startswith("nothing below the top")] == [
+        [("sexpgpu.backends.training", "sexpgpu.devices", 58)]]
 
 
 # -- one home per target -------------------------------------------------------------------------

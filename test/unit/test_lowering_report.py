@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 from sexpgpu.backends.cuda import lowering
-from sexpgpu.passes.lowering_report import stacking_degrees
+from sexpgpu.passes.lowering_report import DeviceFacts, stacking_degrees
 from sexpgpu.tools.explain_cmd import compile_unit
 from sexpgpu.tools.main import main
 
-from sexpgpu.report import DeviceFacts, render_lowering
+from sexpgpu.report.lowering_text import render_lowering
 
 FORMS = Path(__file__).resolve().parents[1] / "lit" / "explain" / "Inputs" / "forms.sx"
 

@@ -13,11 +13,16 @@ import jsonschema
 import pytest
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
+from sexpgpu.dialects.graph import show_shape
 
-from sexpgpu import report
+import sexpgpu
+from sexpgpu.byte_text import show_bytes
 from sexpgpu.diagnostics import Location
+from sexpgpu.report.document import LARGEST_KEPT, build_document
+from sexpgpu.report.explain_text import DEVICE_HOLE, _show_constants, _tree_rows, render_text
+from sexpgpu.report.text import compress_paths, human_count
 
-SCHEMAS = Path(report.__file__).parent / "schemas"
+SCHEMAS = Path(sexpgpu.__file__).parent / "schemas"
 
 
 def _loc(line: int) -> Location:
@@ -127,7 +132,7 @@ FACTS = {
 
 
 def tiny_document(**kwargs: Any) -> dict[str, Any]:
-    return report.build_document(tiny_experiment(**kwargs), copy.deepcopy(FACTS), "tiny.sx")
+    return build_document(tiny_experiment(**kwargs), copy.deepcopy(FACTS), "tiny.sx")
 
 
 # -- the document -----------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def test_document_counts_equal_hand_counts():
     ]
     assert train["emits"] == [{"kind": "counter", "name": "records"}, {"kind": "metric", "name": "train/loss"}]
     assert train["largest"][0] == {"elements": 32, "shape": [4, 8], "dtype": "f32", "op": "input", "loc": "tiny.sx:40"}
-    assert len(train["largest"]) == report.LARGEST_KEPT
+    assert len(train["largest"]) == LARGEST_KEPT
     update = next(g for g in doc["graphs"] if g["name"] == "update model.fc.*")
     assert update["symbols"] == ["update/model.fc.*/model.fc.weight", "update/model.fc.*/model.fc.bias"]
     assert update["nodes"] == 2 * 6
@@ -173,13 +178,13 @@ def test_document_validates_against_schema():
 
 
 def test_text_sections_in_order():
-    text = report.render_text(tiny_document())
+    text = render_text(tiny_document())
     heads = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert heads == [
         "tiny.sx: 3 parameters, 10 steps, precision f32  (sexpgpu-frontend 0.1.0)",
-        "selection:", "parameters: 3, 64 elements, 0.000244 MiB as f32 master weights",
+        "selection:", "parameters: 3, 64 elements, 256 B as f32 master weights",
         "graphs: 6 (an optimizer group's update graphs in one row)", "training step:",
-        "diagnostics:", "precision:", report.DEVICE_HOLE,
+        "diagnostics:", "precision:", DEVICE_HOLE,
     ]
     assert "  records          3 microbatches of 2 = 6 per step, 10 steps" in text
     assert "  counter records  6 per step (static)" in text
@@ -190,7 +195,7 @@ def test_text_sections_in_order():
 def test_text_numbers_match_document():
     """Every number the text shows for parameters and graphs is the document's, rendered."""
     doc = tiny_document()
-    text = report.render_text(doc)
+    text = render_text(doc)
     for g in doc["graphs"]:
         assert f"  {g['name']}  " in text
         assert f"{g['nodes']} nodes" in text
@@ -200,12 +205,12 @@ def test_text_numbers_match_document():
         for leaf in module["leaves"]:
             row = re.search(rf"^    {re.escape(leaf['name'])} +(\[.*?\]) +(\w+) +(\S+) +(\S+)$", text, re.M)
             assert row is not None, leaf["name"]
-            assert row.groups() == (report.show_shape(leaf["shape"]), leaf["dtype"],
-                                    report.human_count(leaf["elements"]), leaf["group"])
+            assert row.groups() == (show_shape(leaf["shape"]), leaf["dtype"],
+                                    human_count(leaf["elements"]), leaf["group"])
 
 
 def test_selection_columns_align():
-    lines = report.render_text(tiny_document()).splitlines()
+    lines = render_text(tiny_document()).splitlines()
     start = lines.index("selection:")
     assert lines[start + 1 : start + 5] == [
         "  variant  smoke",
@@ -216,7 +221,7 @@ def test_selection_columns_align():
 
 
 def test_every_graph_lists_its_ten_largest_tensors():
-    text = report.render_text(tiny_document())
+    text = render_text(tiny_document())
     graphs = text[text.index("graphs:"):text.index("training step:")]
     evaluation = graphs[graphs.index("  eval  "):graphs.index("  update ")]
     rows = [line for line in evaluation.splitlines() if line.startswith("      ")]
@@ -228,9 +233,9 @@ def test_nonfinite_constants_sort_where_they_belong():
     module = tiny_experiment()
     group = next(op for op in module.body.ops if op.name == "exp.group")
     group.attributes["constants"] = [float("nan"), 2.0, float("inf"), float("-inf"), 0.5]
-    doc = report.build_document(module, copy.deepcopy(FACTS), "tiny.sx")
+    doc = build_document(module, copy.deepcopy(FACTS), "tiny.sx")
     assert doc["groups"][0]["constants"] == ["-inf", 0.5, 2.0, "inf", "nan"]
-    assert "constants -inf, 0.5, 2, inf, nan" in report.render_text(doc)
+    assert "constants -inf, 0.5, 2, inf, nan" in render_text(doc)
 
 
 @pytest.mark.parametrize(
@@ -239,12 +244,12 @@ def test_nonfinite_constants_sort_where_they_belong():
      (13_300_000, "13.3M"), (999_600, "1M"), (124_000_000_000, "124G")],
 )
 def test_human_count(n, shown):
-    assert report.human_count(n) == shown
+    assert human_count(n) == shown
 
 
 def test_constants_elide_after_eight():
-    assert report._show_constants([float(i) for i in range(10)]) == "0, 1, 2, 3, 4, 5, 6, 7, ... (10 in all)"
-    assert report._show_constants([0.0, 1e-10, 0.05]) == "0, 1e-10, 0.05"
+    assert _show_constants([float(i) for i in range(10)]) == "0, 1, 2, 3, 4, 5, 6, 7, ... (10 in all)"
+    assert _show_constants([0.0, 1e-10, 0.05]) == "0, 1e-10, 0.05"
 
 
 def _leaf(name: str, shape: list[int], group: str = "default") -> dict[str, Any]:
@@ -258,7 +263,7 @@ def test_tree_folds_alike_blocks():
     leaves = [_leaf("embed.table", [16, 4], "model.embed.*")]
     leaves += [_leaf(f"blocks.{i}.{p}", [4, 4]) for i in range(3) for p in ("fc.weight", "fc.bias")]
     leaves += [_leaf("out.weight", [4, 16])]
-    rows = report._tree_rows(leaves, 4)
+    rows = _tree_rows(leaves, 4)
     assert [r[0] for r in rows] == ["    embed.table", "    blocks.{0..2}", "      fc.weight", "      fc.bias", "    out.weight"]
     assert rows[1][1] == "3 × 32"
     assert rows[2][1:] == ["[4, 4]", "f32", "16", "default"]
@@ -267,7 +272,7 @@ def test_tree_folds_alike_blocks():
 def test_tree_keeps_blocks_apart_when_they_differ():
     # A block whose leaves land in another update group is its own subtree: nothing is folded away.
     leaves = [_leaf("blocks.0.fc.weight", [4, 4], "fast"), _leaf("blocks.1.fc.weight", [4, 4])]
-    rows = report._tree_rows(leaves, 4)
+    rows = _tree_rows(leaves, 4)
     assert [(r[0], r[-1]) for r in rows] == [
         ("    blocks.0", "16"), ("      fc.weight", "fast"), ("    blocks.1", "16"), ("      fc.weight", "default"),
     ]
@@ -275,7 +280,7 @@ def test_tree_keeps_blocks_apart_when_they_differ():
 
 def test_compress_paths():
     paths = [f"model.blocks.{i}.attn" for i in range(12)] + ["model.norm", "model.blocks.0.mlp", "model.blocks.2.mlp"]
-    assert report.compress_paths(paths) == ["model.blocks.{0..11}.attn", "model.norm", "model.blocks.{0,2}.mlp"]
+    assert compress_paths(paths) == ["model.blocks.{0..11}.attn", "model.norm", "model.blocks.{0,2}.mlp"]
 
 
 # -- the IR document --------------------------------------------------------------------------
@@ -438,7 +443,7 @@ def test_gpt_example_text_and_json_agree_with_independent_counts():
 
     path = Path(__file__).resolve().parents[2] / "examples" / "gpt.sx"
     unit = run_pipeline(CompilationUnit(path=str(path), variant="smoke"), TRAINING_PIPELINE)
-    doc = report.build_document(unit.module, unit.facts, unit.path)
+    doc = build_document(unit.module, unit.facts, unit.path)
     jsonschema.validate(json.loads(json.dumps(doc)), json.loads((SCHEMAS / "explain.schema.json").read_text()))
     params = [op for op in unit.module.body.ops if op.name == "exp.param"]
     assert doc["parameters"]["count"] == len(params) == 29
@@ -447,7 +452,7 @@ def test_gpt_example_text_and_json_agree_with_independent_counts():
     train_doc = doc["graphs"][0]
     assert train_doc["nodes"] == len(train.body) - 1 == sum(o["count"] for o in train_doc["ops"])
     assert doc["step"]["counters"] == [{"name": "tokens", "per_step": 4 * 65 * 4, "static": True}]
-    text = report.render_text(doc)
-    assert f"parameters: 29, {report.human_count(470528)} elements, {report.mib(470528 * 4)}" in text
+    text = render_text(doc)
+    assert f"parameters: 29, {human_count(470528)} elements, {show_bytes(470528 * 4)}" in text
     assert f"  train  {train_doc['nodes']} nodes, 0 casts added by the f32 policy" in text
     assert "  counter tokens   1040 per step (static)" in text

@@ -47,7 +47,7 @@ def test_shape_mismatch_names_both_shapes_at_the_operand():
     """verbs.md: the caret goes under the operand that fails to broadcast, spanning it."""
     with pytest.raises(SxError) as err:
         trace_text("(+ a b)", a=((4, 64, 128), "f32"), b=((64, 256), "f32"))
-    assert err.value.message == "shapes [4 64 128] and [64 256] do not broadcast"
+    assert err.value.message == "shapes [4, 64, 128] and [64, 256] do not broadcast"
     assert (err.value.loc.line, err.value.loc.col, err.value.loc.end_col) == (1, 6, 7)
 
 
@@ -75,7 +75,7 @@ def test_shape_mismatch_of_an_accumulated_operand_stays_at_the_form():
 
 
 def test_matmul_shape_error():
-    with pytest.raises(SxError, match=r"matmul shapes \[2 3\] and \[4 5\] do not contract"):
+    with pytest.raises(SxError, match=r"matmul shapes \[2, 3\] and \[4, 5\] do not contract"):
         trace_text("(matmul a b)", a=((2, 3), "f32"), b=((4, 5), "f32"))
 
 
@@ -141,7 +141,7 @@ def test_emits():
     trace, _ = trace_text("(metric loss (mean x))\n(counter tokens (numel x))", x=((2, 3), "f32"))
     assert trace.metrics.keys() == {"loss"}
     assert trace.counters == {"tokens": 6}
-    with pytest.raises(SxError, match=r"metric m must be a scalar, got a tensor of shape \[2 3\]"):
+    with pytest.raises(SxError, match=r"metric m must be a scalar, got a tensor of shape \[2, 3\]"):
         trace_text("(metric m x)", x=((2, 3), "f32"))
 
 

@@ -1,12 +1,15 @@
-"""The devices a verb can target, and opening their executors (backends/executor.py)."""
+"""The devices a verb can target, and opening their executors (`executor.py`).
+
+Below the training driver, beside the executor registry: the driver and the verbs open a device the same
+way, and nothing in the backends reaches up to the top layer for it."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .backends.executor import Executor, open_executor, unavailable_reason
-from .diagnostics import SxError, UsageError
+from ..diagnostics import SxError, UsageError
+from .executor import Executor, open_executor, unavailable_reason
 
 #: What `--device` accepts (`cuda-sim`: the simulated CUDA device, for tests); whether this build and
 #: machine can open one is the executor registry's answer.
@@ -21,7 +24,7 @@ def default_device() -> str:
 def _register_builtin_executors() -> None:
     # Importing a backend package registers its executor; here, not at the top, so that parsing
     # a command line loads no backend.
-    from .backends import cuda, interpreter  # noqa: F401
+    from . import cuda, interpreter  # noqa: F401
 
 
 def require_available(device: str, verb: str) -> None:

@@ -1,0 +1,259 @@
+"""The explain document: one dict describing what the compiler made of a file.
+
+`build_document` reads the experiment module (the `exp` ops and the
+`graph.func` ops) and the facts passes left on the unit, and returns one dict
+with stable keys (`sexpgpu/schemas/explain.schema.json`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from ..diagnostics import display_path
+from ..dialects.core import Operation, TensorType
+from ..dialects.exp import GRAPH_ORDER, graph_title
+from ..dialects.printer import attribute_json
+from ..dialects.traits import FAMILIES
+from ..version import __version__
+
+#: Rows of largest tensors kept per graph, in the document and the text (an update group's row shows one).
+LARGEST_KEPT = 10
+
+
+def _exp_ops(module: Operation, name: str) -> list[Operation]:
+    return [op for op in module.body.ops if op.name == name]
+
+
+def _one(module: Operation, name: str) -> Operation:
+    ops = _exp_ops(module, name)
+    if len(ops) != 1:
+        raise ValueError(f"the experiment module has {len(ops)} '{name}' ops, expected one")
+    return ops[0]
+
+
+
+def _selection(module: Operation) -> dict[str, Any]:
+    attrs = _one(module, "exp.selection").attributes
+    knobs = [{"name": name, "value": attribute_json(value), "source": source} for name, (value, source) in attrs["knobs"].items()]
+    return {"variant": attrs["variant"], "knobs": knobs}
+
+
+def _parameters(params: list[Operation]) -> dict[str, Any]:
+    modules: dict[str, dict[str, Any]] = {}
+    total = 0
+    for op in params:
+        attrs = op.attributes
+        path: str = attrs["path"]
+        ptype: TensorType = attrs["type"]
+        root, _, rest = path.partition(".")
+        module = modules.setdefault(root, {"name": root, "elements": 0, "leaves": []})
+        module["elements"] += ptype.numel
+        module["leaves"].append(
+            {
+                "path": path,
+                "name": rest or path,
+                "shape": list(ptype.shape),
+                "dtype": ptype.dtype,
+                "elements": ptype.numel,
+                "group": attrs["group"],
+            }
+        )
+        total += ptype.numel
+    # Master weights are always f32, whatever the compute precision (language §6).
+    return {"count": len(params), "elements": total, "master_bytes": total * 4, "modules": list(modules.values())}
+
+
+def _constant_order(value: Any) -> tuple[int, Any]:
+    """Folded constants in numeric order; the non-finite ones are text in the document (JSON has no
+    infinities): `-inf` and `inf` sort where they belong, `nan` and any other text last."""
+    if isinstance(value, (int, float)):
+        return (0, value)
+    infinite = {"-inf": -math.inf, "inf": math.inf}.get(value)
+    return (0, infinite) if infinite is not None else (1, str(value))
+
+
+def _groups(groups: list[Operation], elements_of: dict[str, int]) -> list[dict[str, Any]]:
+    out = []
+    for op in groups:
+        attrs = op.attributes
+        members = list(attrs["members"])
+        states = attrs.get("states") or {}
+        out.append(
+            {
+                "name": attrs["name"],
+                "optimizer": attrs["optimizer"],
+                "params": len(members),
+                "elements": sum(elements_of[m] for m in members),
+                "members": members,
+                "states": [{"name": k, "elements": v} for k, v in states.items()],
+                "state_elements": sum(states.values()),
+                "constants": sorted((attribute_json(c) for c in attrs.get("constants", [])), key=_constant_order),
+            }
+        )
+    return out
+
+
+def _largest(ops: Iterable[Operation]) -> list[dict[str, Any]]:
+    results = [(r.type.numel, i, op, r) for i, op in enumerate(ops) for r in op.results]
+    results.sort(key=lambda item: (-item[0], item[1]))
+    return [
+        {
+            "elements": numel,
+            "shape": list(r.type.shape),
+            "dtype": r.type.dtype,
+            "op": op.name.removeprefix("graph."),
+            "loc": op.loc.short() if op.loc is not None else None,
+        }
+        for numel, _, op, r in results[:LARGEST_KEPT]
+    ]
+
+
+def _graphs(funcs: list[Operation], casts: dict[str, int]) -> list[dict[str, Any]]:
+    """One entry per graph; the update graphs of a group add up into one `update <group>` entry."""
+    by_title: dict[str, list[Operation]] = {}
+    for func in sorted(funcs, key=lambda f: GRAPH_ORDER.get(f.attributes.get("kind", ""), len(GRAPH_ORDER))):
+        by_title.setdefault(graph_title(func), []).append(func)
+    out = []
+    for title, members in by_title.items():
+        families: dict[str, int] = {}
+        emits: list[dict[str, str]] = []
+        nodes = 0
+        body_ops: list[Operation] = []
+        for func in members:
+            for op in func.body.ops:
+                if op.name == "graph.return":
+                    continue
+                nodes += 1
+                body_ops.append(op)
+                families[op.family] = families.get(op.family, 0) + 1
+                if op.family == "emit":
+                    emit = {"kind": op.name.removeprefix("graph."), "name": op.attributes["name"]}
+                    if emit not in emits:
+                        emits.append(emit)
+        order = [f for f in FAMILIES if f in families] + sorted(f for f in families if f not in FAMILIES)
+        out.append(
+            {
+                "name": title,
+                "kind": members[0].attributes.get("kind", "unknown"),
+                "symbols": [f.attributes["sym_name"] for f in members],
+                "nodes": nodes,
+                "casts": sum(casts.get(f.attributes["sym_name"], 0) for f in members),
+                "ops": [{"family": f, "count": families[f]} for f in order],
+                "emits": emits,
+                "largest": _largest(body_ops),
+            }
+        )
+    return out
+
+
+def _static_counters(train: Operation | None, microbatches: int) -> list[dict[str, Any]]:
+    if train is None:
+        return []
+    counters: dict[str, dict[str, Any]] = {}
+    for op in train.body.ops:
+        if op.name != "graph.counter":
+            continue
+        source = op.operands[0].op
+        static = source is not None and source.name == "graph.const" and not isinstance(source.attributes["value"], list)
+        per_microbatch = source.attributes["value"] if static else None
+        entry = counters.setdefault(op.attributes["name"], {"name": op.attributes["name"], "per_step": 0, "static": True})
+        if static and entry["static"]:
+            entry["per_step"] += per_microbatch * microbatches
+        else:
+            entry.update(per_step=None, static=False)
+    return list(counters.values())
+
+
+def _step(
+    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: dict[str, Any]
+) -> dict[str, Any]:
+    loaders = {op.attributes["name"]: op.attributes for op in _exp_ops(module, "exp.loader")}
+    batch = loaders[run["loader"]]["batch"]
+    evaluations = []
+    for op in _exp_ops(module, "exp.evaluation"):
+        attrs = op.attributes
+        evaluations.append(
+            {"name": attrs["name"], "every": attrs["every"], "loader": attrs["loader"], "batch": loaders[attrs["loader"]]["batch"]}
+        )
+    memory = facts.get("memory", {})
+    train_symbol = graphs_by_kind["train"].attributes["sym_name"] if "train" in graphs_by_kind else None
+    planned = memory.get(train_symbol)
+    peak = (
+        {"bytes": planned["peak_bytes"], "param_bytes": planned["param_bytes"], "grad_bytes": planned["grad_bytes"]}
+        if planned
+        else None
+    )
+    checkpoints = run.get("checkpoints")
+    return {
+        "microbatches": run["microbatches"],
+        "batch": batch,
+        "records_per_step": run["microbatches"] * batch,
+        "steps": run["steps"],
+        "counters": _static_counters(graphs_by_kind.get("train"), run["microbatches"]),
+        "evaluations": evaluations,
+        "checkpoints": checkpoints if isinstance(checkpoints, int) and not isinstance(checkpoints, bool) else None,
+        "precision": run["precision"],
+        "seed": run["seed"],
+        "peak_activation": peak,
+    }
+
+
+def _diagnostics(module: Operation, graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    diagnosed = [g["name"] for g in graphs if g["kind"] == "train_diagnosed"]
+    out = []
+    for op in _exp_ops(module, "exp.diagnostic"):
+        attrs = op.attributes
+        enabled = bool(attrs.get("enabled", True))
+        out.append(
+            {
+                "name": attrs["name"],
+                "of": attribute_json(attrs["of"]),
+                "reducer": attrs["reducer"],
+                "every": attrs["every"],
+                "graphs": diagnosed if enabled else [],
+                "enabled": enabled,
+            }
+        )
+    return out
+
+
+def _precision(run: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+    kept: dict[str, dict[str, list[str]]] = {}
+    for entry in facts.get("kept_f32", []):
+        op = str(entry["op"]).removeprefix("graph.")
+        slot = kept.setdefault(op, {"paths": [], "graphs": []})
+        for key, value in (("paths", entry.get("path") or "-"), ("graphs", entry["graph"])):
+            if value not in slot[key]:
+                slot[key].append(value)
+    return {
+        "policy": run["precision"],
+        "casts": sum(facts.get("casts", {}).values()),
+        "kept_f32": [{"op": op, "paths": v["paths"], "graphs": v["graphs"]} for op, v in kept.items()],
+    }
+
+
+def build_document(module: Operation, facts: dict[str, Any], path: str | None) -> dict[str, Any]:
+    """The explain document of an evaluated experiment module and the facts its passes left."""
+    params = _exp_ops(module, "exp.param")
+    run = attribute_json(_one(module, "exp.run").attributes)
+    funcs = [op for op in module.body.ops if op.name == "graph.func"]
+    graphs_by_kind: dict[str, Operation] = {}
+    for func in funcs:
+        graphs_by_kind.setdefault(func.attributes.get("kind", ""), func)
+    parameters = _parameters(params)
+    elements_of = {leaf["path"]: leaf["elements"] for m in parameters["modules"] for leaf in m["leaves"]}
+    graphs = _graphs(funcs, facts.get("casts", {}))
+    return {
+        "file": display_path(path) if path else "<input>",
+        "version": __version__,
+        "selection": _selection(module),
+        "parameters": parameters,
+        "groups": _groups(_exp_ops(module, "exp.group"), elements_of),
+        "graphs": graphs,
+        "step": _step(module, run, graphs_by_kind, facts),
+        "diagnostics": _diagnostics(module, graphs),
+        "precision": _precision(run, facts),
+        "device": None,
+    }
