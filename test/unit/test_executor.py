@@ -23,7 +23,7 @@ from sexpgpu.backends.executor import (
     unavailable_reason,
 )
 from sexpgpu.backends.interpreter import InterpreterExecutor
-from sexpgpu.backends.training import Trainer, TrainingPlan
+from sexpgpu.backends.training import Trainer
 from sexpgpu.dialects.core import Operation
 
 from sexpgpu.devices import open_device, require_available
@@ -248,6 +248,7 @@ def test_every_graph_the_driver_runs_is_one_the_compiler_made_and_stacking_picks
     and 2, the smaller with its accumulating twin), the executor picks one without calling back, and every
     graph compiled — the flat update, the flat clip, the scaling and the stacked graphs included — is a graph
     of the plan's module, which the driver leaves as compiled."""
+    from sexpgpu.backends.training import TrainingPlan
     from sexpgpu.dialects.printer import print_module
 
     plan = TrainingPlan.compile(TINY, "smoke", ["microbatches=4", "steps=3"], stacking=True)
