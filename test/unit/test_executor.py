@@ -221,3 +221,48 @@ def test_the_driver_trains_bit_identically_on_an_executor_of_boxed_arrays(tmp_pa
         resumed.train_step(step)
     for path, value in on_cpu.params.items():
         assert np.array_equal(resumed.executor.download(resumed.params[path]), value), path
+
+
+class StackingExecutor(BoxedExecutor):
+    """A boxed executor that stacks microbatches, choosing the smallest degree above 1 it is offered, and
+    records every graph it compiles."""
+
+    stacks_microbatches = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled: list[Operation] = []
+        self.offered: dict[int, list[str]] = {}
+
+    def compile(self, func: Operation) -> BoxedGraph:
+        self.compiled.append(func)
+        return super().compile(func)
+
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        self.offered = {k: [str(f.attributes["sym_name"]) for f in funcs] for k, funcs in variants.items()}
+        return min(variants)
+
+
+def test_every_graph_the_driver_runs_is_one_the_compiler_made_and_stacking_picks_a_variant(tmp_path):
+    """tiny-gpt with 4 microbatches on an executor that stacks: the plan holds the stacking variants (degrees 4
+    and 2, the smaller with its accumulating twin), the executor picks one without calling back, and every
+    graph compiled — the flat update, the flat clip, the scaling and the stacked graphs included — is a graph
+    of the plan's module, which the driver leaves as compiled."""
+    from sexpgpu.backends.training import TrainingPlan
+    from sexpgpu.dialects.printer import print_module
+
+    plan = TrainingPlan.compile(TINY, "smoke", ["microbatches=4", "steps=3"], stacking=True)
+    before = print_module(plan.module)
+    executor = StackingExecutor()
+    trainer = Trainer(plan, tmp_path / "run", None, reporter_stream=io.StringIO(), executor=executor)
+    assert executor.offered == {4: ["train_stacked/4"], 2: ["train_stacked/2", "train_stacked_accumulating/2"]}
+    assert trainer.stack == 2
+    assert trainer.run().status == "done"
+    assert executor.calls[:2] == ["train_stacked/2", "train_stacked_accumulating/2"]
+    assert {"update/default/*", "clip/all/flat", "scale-gradients"} <= set(executor.calls)
+    assert all(func.parent is plan.module.body for func in executor.compiled)
+    assert print_module(plan.module) == before
+    # A device that does not stack gets no variants, and the checkpoint fingerprint does not depend on them.
+    unstacked = TrainingPlan.compile(TINY, "smoke", ["microbatches=4", "steps=3"])
+    assert not any("train_stacked" in name for name in unstacked.graphs)
+    assert unstacked.fingerprint == plan.fingerprint
