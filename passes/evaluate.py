@@ -6,7 +6,7 @@ overrides (the prelude first), then lowers the definition, tracing the run's
 graphs; the module holds the `exp` ops and the `graph.func`s that
 `dialects/exp.py` documents. The lowering's warnings go to `unit.diagnostics`.
 The Python-side definition (`ExperimentDefinition`: knob docs, variants,
-loaders, warnings, traces) is left in `unit.facts["experiment"]` for reports.
+loaders, warnings, traces) is left in `unit.facts.experiment` for reports.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class EvaluatePass(Pass):
     """Evaluates the unit's .sx file and traces its run into `unit.module`.
 
     Guarantees: the module holds the exp ops and graph.funcs the file defines
-    under the unit's selection; `unit.facts["experiment"]` holds the evaluated `ExperimentDefinition`.
+    under the unit's selection; `unit.facts.experiment` holds the evaluated `ExperimentDefinition`.
     """
 
     name: ClassVar[str] = "evaluate"
@@ -47,4 +47,4 @@ class EvaluatePass(Pass):
             definition = evaluator.experiment  # type: ignore[attr-defined]
             lowering = ExperimentLowering(definition, unit.diagnostics)
             unit.module = run_deep(lambda: lowering.module(unit.path))
-        unit.facts["experiment"] = definition
+        unit.facts.experiment = definition
