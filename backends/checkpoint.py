@@ -209,14 +209,15 @@ def resolve_checkpoint(path: Path) -> Path:
     return found[-1][1]
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """Load and verify one checkpoint directory; a damaged one is an SxError naming what is wrong."""
+def read_checkpoint(path: Path, use: str = "resumed from") -> Checkpoint:
+    """Load and verify one checkpoint directory; a damaged one is an SxError naming what is wrong
+    (it "cannot be `use`": resumed from, sampled from)."""
     path = Path(path)
 
     def refuse(why: str) -> SxError:
         earlier = [p for _, p in list_checkpoints(path.parent.parent) if p != path]
         hint = f"; an earlier one is {earlier[-1]}" if earlier else ""
-        return SxError(f"checkpoint {path} is damaged and cannot be resumed from: {why}{hint}")
+        return SxError(f"checkpoint {path} is damaged and cannot be {use}: {why}{hint}")
 
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():

@@ -96,6 +96,9 @@ class Executor(ABC):
 
     #: The device name it is registered under (`--device`).
     device: str
+    #: Whether `stacking` may choose more than one microbatch a call: the driver then compiles the
+    #: stacking variants for it (`passes.pipelines.STACK_VARIANTS`).
+    stacks_microbatches: bool = False
 
     @abstractmethod
     def compile(self, func: Operation) -> Executable:
@@ -136,10 +139,12 @@ class Executor(ABC):
         on a GPU, a device scalar a captured graph reads at a fixed address."""
         return self.zeros((), dtype)
 
-    def stacking(self, microbatches: int, build: Callable[[int], Operation]) -> int:
-        """How many microbatches one call of `train_stacked` runs here: a divisor of `microbatches`.
-        `build(k)` makes the `train_stacked` graph for k (the largest that fits a device's memory is
-        chosen). 1, the default, keeps one call per microbatch."""
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        """How many microbatches one call of a stacked train graph runs here: 1 or a degree of
+        `variants`, the stacking variants the compiler made (`stack-variants`: degree k →
+        `@train_stacked/<k>` and, below `microbatches`, its accumulating twin). A device compiles
+        them (`compile` then returns what it made) and chooses the largest whose activations fit its
+        memory. 1, the default, keeps one call per microbatch."""
         return 1
 
     def lowering_facts(self) -> LoweringFacts | None:

@@ -32,14 +32,13 @@ from typing import Any
 import numpy as np
 
 from ..diagnostics import Location, SxError
+from ..dialects.exp import TOKEN_FILE_FORMATS
 from ..dialects.graph_semantics import numpy_dtypes
 from ..dialects.traits import Trait, ops_with
+from .token_files import DTYPE_NAMES, TokenFileError, open_tokens, read_layout
 
 #: Field dtypes of the language → numpy dtypes: the dialect's, and `bool` for `i1`.
 FIELD_DTYPES: dict[str, Any] = {**numpy_dtypes(), "bool": np.bool_}
-
-#: Element types a `token-file` may hold (`:dtype`), little-endian.
-TOKEN_FILE_DTYPES = {"u16": "<u2", "uint16": "<u2", "u32": "<u4", "uint32": "<u4"}
 
 #: Tokens scanned at once when checking ids against the vocabulary (bounds memory on big files).
 _SCAN_CHUNK = 1 << 24
@@ -154,18 +153,7 @@ class Loader:
     def _open(self) -> None:
         kind = self.source.get("kind")
         if kind == "token-file":
-            path = self._open_file()
-            dtype_name = str(self.source.get("dtype") or "u16")
-            if dtype_name not in TOKEN_FILE_DTYPES:
-                raise self.error(f"token-file :dtype must be u16 or u32, not {dtype_name}")
-            dtype = np.dtype(TOKEN_FILE_DTYPES[dtype_name])
-            size = path.stat().st_size
-            if size % dtype.itemsize:
-                raise self.error(
-                    f"{self.origin} holds {size} bytes, not a whole number of {dtype_name} tokens "
-                    f"({dtype.itemsize} bytes each)"
-                )
-            self.tokens = np.memmap(path, dtype=dtype, mode="r")
+            self._open_token_file(self._open_file())
         elif kind == "text-file":
             self.tokens = np.memmap(self._open_file(), dtype=np.uint8, mode="r")
         elif kind == "npy-file":
@@ -177,6 +165,22 @@ class Loader:
         if self.tokens is not None:
             self._check_token_fields()
         self._check_length()
+
+    def _open_token_file(self, path: Path) -> None:
+        """A nanoGPT stream or an llm.c file (token_files.py), memory-mapped: opening reads its header only."""
+        dtype = self.source.get("dtype")
+        if dtype is not None and dtype not in DTYPE_NAMES:
+            raise self.error(f"token-file :dtype must be u16 or u32, not {dtype}")
+        file_format = str(self.source.get("format") or "auto")
+        if file_format not in TOKEN_FILE_FORMATS:
+            raise self.error(f"token-file :format must be {', '.join(TOKEN_FILE_FORMATS)}, not {file_format}")
+        try:
+            layout = read_layout(path, file_format, dtype)
+        except TokenFileError as err:
+            raise self.error(f"{self.origin} {err}") from None
+        except OSError as err:
+            raise self.error(f"cannot read {self.origin}: {err.strerror or err}") from None
+        self.tokens = open_tokens(path, layout)
 
     def _open_npy(self, path: Path) -> None:
         try:
@@ -288,8 +292,7 @@ class Loader:
             if bound is None:
                 continue
             data = self.tokens if self.tokens is not None else self.records[f.name].reshape(-1)
-            for start in range(0, len(data), _SCAN_CHUNK):
-                chunk = np.asarray(data[start : start + _SCAN_CHUNK])
+            for start, chunk in _chunks(data):
                 bad = (chunk >= bound) | (chunk < 0) if np.issubdtype(chunk.dtype, np.signedinteger) else chunk >= bound
                 if bad.any():
                     at = int(np.argmax(bad))
@@ -351,6 +354,19 @@ class Loader:
 
     def restore(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+
+
+def _chunks(data: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """`data` in pieces of `_SCAN_CHUNK` elements, with where each starts. A memory-mapped file is read
+    through a file handle, not its map, so a scan of the whole file leaves no page of it resident."""
+    if isinstance(data, np.memmap) and data.filename is not None and data.ndim == 1:
+        with open(data.filename, "rb") as f:
+            for start in range(0, len(data), _SCAN_CHUNK):
+                f.seek(data.offset + start * data.itemsize)
+                yield start, np.fromfile(f, data.dtype, min(_SCAN_CHUNK, len(data) - start))
+        return
+    for start in range(0, len(data), _SCAN_CHUNK):
+        yield start, np.asarray(data[start : start + _SCAN_CHUNK])
 
 
 #: Ops through which token ids flow unchanged (they only move or copy them): the views, concat, cast.

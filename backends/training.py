@@ -1,18 +1,21 @@
 """The training driver behind `sexpgpu run` and `sexpgpu.train`.
 
 It runs on an executor (backends/executor.py), the `cpu` one (the numpy
-interpreter) unless told otherwise, and knows nothing else of the device: the
-experiment's graphs and the few it builds itself (flat group updates and
-clipping, microbatch scaling: backends/flat_updates.py) are compiled by the
-executor, and arrays move only through the executor's array operations.
+interpreter) unless told otherwise, and knows nothing else of the device:
+every graph it runs is made by the compiler, the experiment's and those the
+run pipeline derives for it (`passes.pipelines.run_graphs`: flat group
+updates and clipping, the microbatch scaling, the stacking variants), and is
+compiled by the executor; arrays move only through the executor's array
+operations.
 
 One step of a run:
 
 1. `microbatches` batches from the run's loader: the first through `train`
    (or `train_diagnosed` on a diagnostic step), the rest through
    `train_accumulating`, which adds into the gradients so far — or, where the
-   executor stacks k of them (`Executor.stacking`), k at a time through
-   `train_stacked` and then `train_stacked_accumulating`; the summed
+   executor stacks k of them (`Executor.stacking` picks k among the stacking
+   variants), k at a time through `train_stacked/<k>` and then
+   `train_stacked_accumulating/<k>`; the summed
    gradients are then divided by the number of microbatches, so the step's
    gradient is that of the mean loss;
 2. the clip graphs, if any, then one update graph per parameter (param, grad,
@@ -56,13 +59,14 @@ import numpy as np
 from attrs import frozen
 
 from ..diagnostics import SxError, display_path, source_digest
-from ..dialects.core import Operation, TensorType
+from ..dialects.core import Operation
+from ..dialects.graph import is_derived
 from ..dialects.inits import initial_params
-from ..dialects.parser import parse_module
-from ..dialects.printer import print_op
+from ..passes.flat_updates import flat_layout, flat_update_graphs
 from ..passes.manager import CompilationUnit, run_pipeline
-from ..passes.pipelines import TRAINING_PIPELINE
-from ..passes.variants import build_stacked
+from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
+from ..passes.scale_gradients import FLAT_GRADS, SCALE_GRAPH
+from ..passes.variants import stack_variants
 from ..version import __version__
 from .checkpoint import (
     TensorSpec,
@@ -74,14 +78,11 @@ from .checkpoint import (
 from .devices import open_device
 from .events import EventLog, finite_or_none
 from .executor import DeviceArray, Executable, Executor, LoweringText, OutOfDeviceMemory
-from .flat_updates import flat_clip_graph, flat_update_graph, scaling_graph
 from .loaders import Loader, vocabulary_bounds
 from .memory import check_training_tensors_fit, ran_out
 from .progress import ProgressReporter, Throughput, format_metrics, format_seconds
 
 _LOCATION = re.compile(r' loc\([^)]*\)')
-#: The scaling graph's name for the flat gradient array (the other inputs are `grad/<path>`).
-_FLAT_GRADS = "flat-grads"
 
 
 @frozen
@@ -124,8 +125,9 @@ class _Interrupt:
 
 
 class TrainingPlan:
-    """What the driver trains: the module of an experiment after the training pipeline, read once
-    (the run's settings, parameters, loaders, evaluations, diagnostics and graphs)."""
+    """What the driver trains: the module of an experiment after the training pipeline and the run's
+    graphs (`passes.pipelines.run_graphs`), read once (the run's settings, parameters, loaders,
+    evaluations, diagnostics and graphs)."""
 
     def __init__(self, module: Operation, path: str) -> None:
         self.path = path
@@ -153,9 +155,11 @@ class TrainingPlan:
 
     @classmethod
     def compile(cls, path: str, variant: str | None = None,
-                sets: dict[str, Any] | list[str] | None = None) -> TrainingPlan:
-        """The plan of the experiment file at `path` under a selection (the training pipeline's module)."""
-        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
+                sets: dict[str, Any] | list[str] | None = None, stacking: bool = False) -> TrainingPlan:
+        """The plan of the experiment file at `path` under a selection (the run pipeline's module; with
+        `stacking`, for an executor that stacks microbatches, the stacking variants too)."""
+        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)),
+                            f"{TRAINING_PIPELINE},{run_graphs(stacking)}")
         return cls(unit.module, path)
 
     @staticmethod
@@ -172,7 +176,8 @@ class TrainingPlan:
         return self.graphs[name]
 
     def graphs_of_kind(self, kind: str) -> list[Any]:
-        return [op for op in self.graphs.values() if op.attributes.get("kind") == kind]
+        """The experiment's graphs of `kind` (not those the run pipeline derived from them)."""
+        return [op for op in self.graphs.values() if op.attributes.get("kind") == kind and not is_derived(op)]
 
     @property
     def parameter_count(self) -> int:
@@ -180,14 +185,18 @@ class TrainingPlan:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """SHA-256 of the experiment's IR without locations or the selection line.
+        """SHA-256 of the experiment's IR without locations, the selection line or the derived graphs.
 
         Equal iff the same computation: a comment, a moved file or a knob set
-        to its default value changes nothing that runs.
+        to its default value changes nothing that runs. The graphs the run
+        pipeline derives follow from the others (and the stacking variants
+        from the device), so a checkpoint resumes on any device.
         """
-        from ..dialects.printer import print_module
+        from ..dialects.printer import print_op
 
-        lines = [line for line in print_module(self.module).splitlines() if not line.startswith("exp.selection ")]
+        text = "\n".join(print_op(op) for op in self.module.body.ops
+                         if not (op.name == "graph.func" and is_derived(op)))
+        lines = [line for line in text.splitlines() if not line.startswith("exp.selection ")]
         return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
 
     @functools.cached_property
@@ -239,26 +248,22 @@ class DeviceSetup:
         self.evaluations = [
             (op, compile_func(plan.graph(_symbol(op.attributes["graph"])))) for op in plan.evaluation_ops
         ]
-        #: param path → (its update graph, state name → shape)
-        self.updates: dict[str, tuple[Executable, dict[str, tuple[int, ...]]]] = {}
+        flat_funcs = flat_update_graphs(plan.module)
+        flat = {str(member["path"]) for func in flat_funcs for member in func.attributes["members"]}
+        #: param path → (its update graph, None for a member of a flat group; state name → shape)
+        self.updates: dict[str, tuple[Executable | None, dict[str, tuple[int, ...]]]] = {}
         for func in plan.graphs_of_kind("update"):
-            compiled = compile_func(func)
-            states = {spec.name: spec.type.shape for spec in compiled.inputs if spec.role == "state"}
-            self.updates[str(func.attributes["param"])] = (compiled, states)
+            path = str(func.attributes["param"])
+            states = {str(op.attributes["name"]): tuple(op.result.type.shape) for op in func.body.ops
+                      if op.name == "graph.input" and op.attributes.get("role") == "state"}
+            self.updates[path] = (compile_func(func) if path not in flat else None, states)
         missing = [op.attributes["path"] for op in plan.param_ops if op.attributes["path"] not in self.updates]
         if missing:
             raise SxError(f"no update graph for parameter {missing[0]}", plan.run_op.loc)
         #: Groups updated as one: (the group's update graph over flat [N] arrays, its member paths).
-        self.flat_groups: list[tuple[Executable, list[str]]] = []
-        members: dict[str, list[Any]] = {}
-        for func in plan.graphs_of_kind("update"):
-            members.setdefault(str(func.attributes.get("group")), []).append(func)
-        sizes = {op.attributes["path"]: op.attributes["type"].numel for op in plan.param_ops}
-        for funcs in members.values():
-            paths = [str(func.attributes["param"]) for func in funcs]
-            flat = flat_update_graph(funcs, sum(sizes[path] for path in paths)) if len(funcs) > 1 else None
-            if flat is not None:
-                self.flat_groups.append((compile_func(flat), paths))
+        self.flat_groups: list[tuple[Executable, list[str]]] = [
+            (compile_func(func), [str(member["path"]) for member in func.attributes["members"]])
+            for func in flat_funcs]
 
     def _allocate(self) -> None:
         """The parameters (at their initial values), their gradients and states, on the executor.
@@ -273,13 +278,8 @@ class DeviceSetup:
         ex = self.executor
         shapes = {str(op.attributes["path"]): tuple(op.attributes["type"].shape) for op in self.plan.param_ops}
         #: param path → its (start, end) in the flat arrays
-        self.flat_bounds: dict[str, tuple[int, int]] = {}
-        end = 0
-        for _, paths in self.flat_groups:
-            for path in paths:
-                self.flat_bounds[path] = (end, end + math.prod(shapes[path]))
-                end = self.flat_bounds[path][1]
-        self.flat_numel = end
+        self.flat_bounds: dict[str, tuple[int, int]] = flat_layout(self.plan.module)
+        end = max((stop for _, stop in self.flat_bounds.values()), default=0)
         self.flat_params = ex.zeros((end,), "f32")
         self.flat_grads = ex.zeros((end,), "f32")
         self.params: dict[str, DeviceArray] = {}
@@ -322,20 +322,18 @@ class DeviceSetup:
                     self.states[f"{path}/{state}"] = ex.zeros(shape, "f32")
 
     def _compile_gradient_graphs(self) -> None:
-        """The clip graphs (over the flat gradient array where a clip's members fill a span of it)
-        and, with microbatches, the graph scaling the summed gradients to their mean."""
+        """The clip graphs (a clip's flat twin over its span of the flat gradient array where
+        `flatten-updates` made one) and, with microbatches, the graph scaling the summed gradients to
+        their mean."""
         plan = self.plan
+        flat_clips = {str(func.attributes["sym_name"]).removesuffix("/flat"): func
+                      for func in plan.graphs.values() if is_derived(func) and func.attributes.get("kind") == "clip"}
         #: per clip: (its graph, the span of the flat gradient array it clips, or None: the gradients)
         self.clips: list[tuple[Executable, DeviceArray | None]] = []
         for func in plan.graphs_of_kind("clip"):
-            paths = [str(op.attributes["name"]).removeprefix("grad/") for op in func.body.ops
-                     if op.name == "graph.input"]
-            bounds = [self.flat_bounds[path] for path in paths if path in self.flat_bounds]
-            start = min((a for a, _ in bounds), default=0)
-            stop = max((b for _, b in bounds), default=0)
-            # Over the flat array when every member is in it and together they fill one span of it.
-            if bounds and len(bounds) == len(paths) and sum(b - a for a, b in bounds) == stop - start:
-                flat = flat_clip_graph(func, [(a - start, b - start) for a, b in bounds])
+            flat = flat_clips.get(str(func.attributes["sym_name"]))
+            if flat is not None:
+                start, stop = flat.attributes["span"]
                 span = self.executor.view(self.flat_grads, start, (stop - start,))
                 self.clips.append((self.executor.compile(flat), span))
             else:
@@ -344,11 +342,7 @@ class DeviceSetup:
         self.lone_params = [path for path in self.updates if path not in self.flat_bounds]
         self.scale: Executable | None = None
         if plan.microbatches > 1:
-            grad_types = _output_types(plan.graph("train"))
-            types = {f"grad/{path}": grad_types[f"grad/{path}"] for path in self.lone_params}
-            if self.flat_bounds:
-                types[_FLAT_GRADS] = TensorType((self.flat_numel,), "f32")
-            self.scale = self.executor.compile(scaling_graph(types, 1.0 / plan.microbatches, plan.run_op.loc))
+            self.scale = self.executor.compile(plan.graph(SCALE_GRAPH))
 
     def _choose_stacking(self) -> None:
         """How many microbatches one call runs (the executor's choice; 1 on the CPU), and the stacked
@@ -358,28 +352,13 @@ class DeviceSetup:
         self.train_stacked_accumulating: Executable | None = None
         if self.plan.microbatches == 1:
             return
-        built: dict[int, Operation] = {}
-
-        def build(k: int) -> Operation:
-            # In a module of their own: the plan's module (its fingerprint) stays as compiled.
-            module = parse_module(print_op(self.plan.graph("train")), "<stacked>")
-            train = next(op for op in module.body.ops if op.name == "graph.func")
-            stacked = build_stacked(module, train, k)
-            if k < self.plan.microbatches:
-                build_stacked(module, train, k, accumulating=True)
-            train.erase()
-            built[k] = stacked
-            return stacked
-
-        self.stack = self.executor.stacking(self.plan.microbatches, build)
+        variants = stack_variants(self.plan.module)
+        self.stack = self.executor.stacking(self.plan.microbatches, variants)
         if self.stack > 1:
-            stacked = built[self.stack]
+            stacked, *accumulating = variants[self.stack]
             self.train_stacked = self.executor.compile(stacked)
-            if self.stack < self.plan.microbatches:
-                module = stacked.parent.parent.parent
-                accumulating = next(op for op in module.body.ops if op.name == "graph.func"
-                                    and op.attributes["sym_name"] == "train_stacked_accumulating")
-                self.train_stacked_accumulating = self.executor.compile(accumulating)
+            if accumulating:
+                self.train_stacked_accumulating = self.executor.compile(accumulating[0])
 
 
 
@@ -526,7 +505,7 @@ class Trainer(DeviceSetup):
             # One multiply over the flat gradient array and one per gradient outside it, in place.
             summed = {f"grad/{path}": self.grad_out[f"grad/{path}"] for path in self.lone_params}
             if self.flat_bounds:
-                summed[_FLAT_GRADS] = self.flat_grads
+                summed[FLAT_GRADS] = self.flat_grads
             self.scale(summed, summed)
         for clip, span in self.clips:
             clipping = {"grad": span} if span is not None else {spec.name: self.grad_out[spec.name]
@@ -539,6 +518,7 @@ class Trainer(DeviceSetup):
             update({**arrays, "step": self.step_input}, written)
         for path in self.lone_params:
             update, states = self.updates[path]
+            assert update is not None
             inputs = {"param": self.params[path], "grad": self.grad_out[f"grad/{path}"], "step": self.step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
             # In place: the parameter and state buffers live for the whole run.
@@ -727,12 +707,6 @@ class Trainer(DeviceSetup):
         return lines
 
 
-def _output_types(func: Operation) -> dict[str, TensorType]:
-    """The type of each output of a `graph.func`, by name."""
-    ret = func.body.last_op
-    return {str(name): value.type for name, value in zip(ret.attributes["names"], ret.operands)}
-
-
 def unigram_entropy(loader: Loader, limit: int = 1 << 24) -> float | None:
     """Entropy in nats of the token frequencies of a token source (its first `limit` tokens)."""
     if loader.tokens is None:
@@ -767,7 +741,7 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
     executor lowered, for the run to print before its first step and record (`sexpgpu.train` passes the
     report's renderer); without it the run prints and records no lowering report."""
     executor = open_device(device, "run")
-    plan = TrainingPlan.compile(path, variant, sets)
+    plan = TrainingPlan.compile(path, variant, sets, stacking=executor.stacks_microbatches)
     resume_path = Path(resume) if resume is not None else None
     if out is not None:
         out_dir = Path(out)

@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 from sexpgpu.backends.cuda.nvrtc import compile_cubin, nvrtc_toolchain
+from sexpgpu.backends.cuda.render import templates as t
+from sexpgpu.backends.cuda.render.prelude import translation_unit
 from sexpgpu.backends.cuda.sim import SimDevice
-from sexpgpu.passes.emit_cuda import templates as t
-from sexpgpu.passes.emit_cuda.prelude import translation_unit
 
 WIDTH, SEQUENCE, VOCAB = 768, 1024, 50304
 

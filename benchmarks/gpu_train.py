@@ -205,7 +205,9 @@ def side_sexpgpu(args: argparse.Namespace, sets: list[str]) -> dict[str, Any]:
     from sexpgpu.backends.training import Trainer, TrainingPlan
 
     started = time.perf_counter()
-    plan = TrainingPlan.compile(str(EXAMPLE), None, sets)
+    # The CUDA executors stack microbatches: the run pipeline makes the stacking variants for them (a dry
+    # run lowers every graph of the module, so it leaves them out).
+    plan = TrainingPlan.compile(str(EXAMPLE), None, sets, stacking=args.device != "cpu" and not args.dry_run)
     result: dict[str, Any] = {"model": model_figures(plan), "pipeline_seconds": time.perf_counter() - started}
     if args.dry_run:
         result.update(build_lowering(plan))

@@ -309,6 +309,38 @@ class Operation:
         region.parent = self
         self.regions.append(region)
 
+    def clone(self, value_mapper: dict[Value, Value] | None = None) -> Operation:
+        """A detached deep copy of this op, as MLIR's `Operation::clone(IRMapping&)` and xDSL's
+        `Operation.clone(value_mapper=...)`.
+
+        Its regions' blocks and ops are copied too. An operand found in
+        `value_mapper` is replaced by what it maps to, one absent (defined
+        outside the op and not mapped) is kept. Every result and block argument
+        of the original is added to `value_mapper`, mapping to its copy, so a
+        caller cloning ops one after another finds each copy's operands among
+        the copies made before. Locations and name hints carry over; attribute
+        values are copied wherever they are mutable (lists, dicts, sets), so
+        changing an attribute of the copy never changes the original.
+        """
+        values = {} if value_mapper is None else value_mapper
+        copy = Operation.create(self.name, [values.get(v, v) for v in self.operands],
+                                [r.type for r in self.results], _copy_attributes(self.attributes), loc=self.loc)
+        copy.text_loc = self.text_loc
+        for old, new in zip(self.results, copy.results):
+            new.name_hint = old.name_hint
+            values[old] = new
+        for region in self.regions:
+            region_copy = Region()
+            for block in region.blocks:
+                block_copy = region_copy.add_block(Block())
+                for arg in block.args:
+                    values[arg] = block_copy.add_arg(arg.type)
+                    values[arg].name_hint = arg.name_hint
+                for inner in block.ops:
+                    block_copy.append(inner.clone(values))
+            copy.add_region(region_copy)
+        return copy
+
     def set_operand(self, index: int, value: Value) -> None:
         use = self.operand_uses[index]
         del self.operands[index].uses[use]
@@ -378,6 +410,25 @@ class Operation:
             # Hand-written IR can hold attributes of the wrong kind (`axes = 1`,
             # `axis = "x"`), which the shape rules do not expect: a user error.
             raise VerifyError(f"'{self.name}' has malformed attributes ({type(err).__name__}: {err})", self) from None
+
+
+def _copy_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {name: _copy_attribute(value) for name, value in attributes.items()}
+
+
+def _copy_attribute(value: Any) -> Any:
+    """`value` with every list, dict and set in it copied; the rest (numbers, strings, types, symbol
+    references: immutable) shared."""
+    if isinstance(value, list):
+        return [_copy_attribute(item) if isinstance(item, (list, dict, set, tuple)) else item for item in value]
+    if isinstance(value, dict):
+        return {key: _copy_attribute(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_copy_attribute(item) for item in value) if any(
+            isinstance(item, (list, dict, set, tuple)) for item in value) else value
+    if isinstance(value, set):
+        return set(value)
+    return value
 
 
 @define(eq=False, slots=True)
@@ -522,13 +573,17 @@ class Builder:
             if inferred is None:
                 raise ValueError(f"{name} needs explicit result types")
             result_types = inferred
-        op = Operation.create(name, operands, result_types, attributes, list(regions), loc or self.loc)
+        op = self.insert(Operation.create(name, operands, result_types, attributes, list(regions), loc or self.loc))
+        if self.on_create is not None:
+            self.on_create(op)
+        return op
+
+    def insert(self, op: Operation) -> Operation:
+        """Insert a detached op (a clone) at the insertion point, as it is."""
         if self.anchor is None:
             self.block.append(op)
         else:
             self.block.insert_before(op, self.anchor)
-        if self.on_create is not None:
-            self.on_create(op)
         return op
 
     def value(self, name: str, *operands: Value, loc: Location | None = None, **attributes: Any) -> Value:

@@ -25,6 +25,9 @@ What `evaluate` makes (later passes add what their docstrings say):
              evaluations = [names], diagnostics = [names]}
     graph.func @train {kind = "train"}: inputs role "param" (named by path) and
              role "batch" (named by field); returns ["loss"]; autodiff adds "grad/<path>"
+    graph.func @sample {kind = "inference"}: only when `evaluate{inference=true}` asks (what
+             `sexpgpu sample` compiles): the model's forward for one sequence, inputs role "param"
+             and the batch input "tokens" [1, seq]; returns ["logits"] [1, seq, vocab]
 
 The constants below (graph kinds, optimizers and their defaults, reducers,
 precisions) are their one definition: the frontend, the passes and the
@@ -39,7 +42,7 @@ from .core import OpDef, Operation, VerifyError, register_op
 
 #: The kinds (`kind` attribute) of the graphs that run the model on a microbatch: the precision
 #: policy casts them and the memory plan bounds their activations.
-MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
+MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation", "inference")
 #: The kinds of the graphs that update parameters from gradients once a step: their constants fold.
 OPTIMIZER_GRAPH_KINDS = ("clip", "update")
 #: Every kind of `graph.func`, in the order reports list graphs.
@@ -66,6 +69,12 @@ OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 REDUCERS = ("mean", "rms", "max", "min", "norm")
 #: The run's precisions (`exp.run` `precision`): f32, or bf16 compute with f32 master weights.
 PRECISIONS = ("f32", "bf16")
+#: How a token source's ids relate to text (a loader source's `tokenizer`): one id per byte, GPT-2's
+#: BPE (through tiktoken), or ids without text.
+TOKENIZERS = ("bytes", "gpt2", "none")
+#: The layouts of a `token-file` (its `format`): `auto` reads llm.c's header when the file starts with
+#: one, `llmc` requires it, `nanogpt` is a headerless stream.
+TOKEN_FILE_FORMATS = ("auto", "llmc", "nanogpt")
 
 #: The epsilon of global-norm clipping (`exp.group` `clip`): grads scale by min(1, clip / (norm + eps)),
 #: as torch.nn.utils.clip_grad_norm_ does. The clip graphs and any backend's own clipping share it.

@@ -638,6 +638,20 @@ def func_kind(func: Operation) -> str | None:
     return func.attributes.get("kind")
 
 
+def is_derived(func: Operation) -> bool:
+    """Whether a `graph.func` is one the run pipeline derived from the experiment's graphs for the
+    training driver (`derived = true`: a group's flat update, a flat clip, the gradient scaling, a
+    stacking variant), which follows from them and so is no part of what the experiment is."""
+    return func.attributes.get("derived") is True
+
+
+def erase_derived(module: Operation, *kinds: str) -> None:
+    """Erase the derived graphs of these kinds from a module (a pass that adds them, run again, replaces them)."""
+    for func in graph_funcs(module):
+        if is_derived(func) and func_kind(func) in kinds:
+            func.erase()
+
+
 def return_names(ret: Operation) -> list[str]:
     """The names of a `graph.return`'s operands: the graph's outputs, in order."""
     return ret.attributes["names"]

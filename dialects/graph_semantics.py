@@ -5,7 +5,7 @@ folding passes and the backends cannot drift apart (which ops are unary,
 binary or compares is the traits table's to say: `dialects/traits.py`):
 
 - `numpy_unary()` / `numpy_binary()`: the op on numpy values of the operand's
-  dtype (`numpy_dtypes()` maps dialect dtypes to numpy scalar types);
+  dtype (`numpy_dtype()` maps a dialect dtype to its numpy scalar type);
 - `FLOAT64_UNARY` / `FLOAT64_ARITH` / `FLOAT64_COMPARE`: the same ops on Python
   floats (IEEE float64), for folds that need no numpy.
 
@@ -22,20 +22,27 @@ from collections.abc import Callable
 from typing import Any
 
 
+def numpy_dtype(dtype: str) -> Any:
+    """The numpy scalar type of one dialect dtype. Only bf16 imports ml_dtypes, which takes
+    about a second (0.7): a fold of an f32 constant, `sexpgpu check`'s commonest, does not pay it."""
+    if dtype == "bf16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return _builtin_numpy_dtypes()[dtype]
+
+
 @functools.cache
-def numpy_dtypes() -> dict[str, Any]:
-    """The numpy scalar type of each dialect dtype."""
-    import ml_dtypes
+def _builtin_numpy_dtypes() -> dict[str, Any]:
     import numpy as np
 
-    return {
-        "f32": np.float32,
-        "f16": np.float16,
-        "bf16": ml_dtypes.bfloat16,
-        "i32": np.int32,
-        "i64": np.int64,
-        "i1": np.bool_,
-    }
+    return {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i64": np.int64, "i1": np.bool_}
+
+
+@functools.cache
+def numpy_dtypes() -> dict[str, Any]:
+    """The numpy scalar type of each dialect dtype (bf16 included: for the backends)."""
+    return {dtype: numpy_dtype(dtype) for dtype in ("f32", "f16", "bf16", "i32", "i64", "i1")}
 
 
 def _rsqrt(x: Any) -> Any:

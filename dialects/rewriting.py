@@ -60,29 +60,6 @@ def is_trivially_dead(op: Operation) -> bool:
     return opdef is not None and opdef.pure and not op.regions
 
 
-def clone_op(op: Operation, values: dict[Value, Value] | None = None) -> Operation:
-    """A detached deep copy of `op`: its regions' blocks and ops copied too, operands defined
-    outside it mapped through `values` (kept when absent), attributes copied one level deep."""
-    values = {} if values is None else values
-    copy = Operation.create(op.name, [values.get(v, v) for v in op.operands], [r.type for r in op.results],
-                            dict(op.attributes), loc=op.loc)
-    copy.text_loc = op.text_loc
-    for old, new in zip(op.results, copy.results):
-        new.name_hint = old.name_hint
-        values[old] = new
-    for region in op.regions:
-        region_copy = Region()
-        for block in region.blocks:
-            block_copy = region_copy.add_block(Block())
-            for arg in block.args:
-                values[arg] = block_copy.add_arg(arg.type)
-                values[arg].name_hint = arg.name_hint
-            for inner in block.ops:
-                block_copy.append(clone_op(inner, values))
-        copy.add_region(region_copy)
-    return copy
-
-
 # -- operand patterns ------------------------------------------------------------------------------
 
 

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..diagnostics import Location, SxError
+from .analysis import truthy
+from .calls import BuiltinError, builtin, invoke, signature_of
 from .data import MAP_KEY_RULE, MAP_KEY_TYPES, TENSOR_OPS, SxList, SxMap, SxVector, TensorLike
-from .evaluator import BuiltinError, Values, builtin, invoke, signature_of, truthy
+from .evaluator import Values
 from .limits import INT_LIMIT, MAX_INT_DIGITS, MAX_ITEMS, MAX_STRING_CHARS, int_in_range
 from .printing import described, show
 

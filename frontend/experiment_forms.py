@@ -19,21 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from ..diagnostics import Location, SxError, nearest
-from ..dialects.exp import OPTIMIZER_DEFAULTS, PRECISIONS, REDUCERS
+from ..dialects.exp import OPTIMIZER_DEFAULTS, PRECISIONS, REDUCERS, TOKEN_FILE_FORMATS, TOKENIZERS
 from ..dialects.inits import Init
 from . import modules
+from .analysis import OPERAND_LOCATED, Env, register_special_form
+from .calls import Builtin, BuiltinError, Closure, argument_error, register_builtin
 from .data import Keyword, SxList, Symbol, element_loc
-from .evaluator import (
-    OPERAND_LOCATED,
-    Builtin,
-    BuiltinError,
-    Closure,
-    Defined,
-    Env,
-    argument_error,
-    register_builtin,
-    register_special_form,
-)
+from .evaluator import Defined
 from .experiment_definitions import (
     Checkpoints,
     DiagnosticDef,
@@ -61,9 +53,16 @@ def experiment_of(env: Env) -> ExperimentDefinition:
     return env.evaluator.experiment  # type: ignore[attr-defined]
 
 
+#: The names a token source's options take (`:tokenizer gpt2`, `:format llmc`), bound to their symbols
+#: as the dtype names are (`none` is one of those).
+SOURCE_OPTION_NAMES = tuple(name for name in (*TOKENIZERS, *TOKEN_FILE_FORMATS) if name != "none")
+
+
 def install(evaluator: Any) -> None:
-    """Session hook: a fresh experiment, the model tree, the initializers, then the prelude."""
+    """Session hook: a fresh experiment, the model tree, the initializers, the source option names, then
+    the prelude."""
     modules.install(evaluator)
+    evaluator.globals.update({name: Symbol(name) for name in SOURCE_OPTION_NAMES})
     evaluator.experiment = ExperimentDefinition(Selection(evaluator.variant, list(evaluator.sets)), evaluator.model_tree)
     evaluator.load_prelude(PRELUDE_PATH)
 
@@ -263,13 +262,26 @@ def _file_source(kind: str):
     return make
 
 
-def _token_file(loc: Location | None, path: Any, *, dtype: Any = "u16") -> Source:
-    """`(token-file "x.u16" :dtype u16|u32)`: one little-endian token id per element."""
+def _choice(value: Any, choices: tuple[str, ...], what: str, loc: Location | None, operand: str) -> str:
+    """A symbol (or string) among `choices`, as its name."""
+    name = value.name if isinstance(value, Symbol) else value
+    if name not in choices:
+        raise argument_error(f"{what} must be {', '.join(choices[:-1])} or {choices[-1]}, got {described(value)}",
+                             loc, operand)
+    return name
+
+
+def _token_file(loc: Location | None, path: Any, *, dtype: Any = None, format: Any = None,  # noqa: A002
+                tokenizer: Any = None) -> Source:
+    """`(token-file "x.bin" :dtype u16|u32 :format auto|llmc|nanogpt :tokenizer bytes|gpt2|none)`: little-endian
+    token ids, after llm.c's header when there is one. Options left out are not recorded (the loader's defaults)."""
     source = _file_source("token-file")(loc, path)
-    name = dtype.name if isinstance(dtype, Symbol) else dtype
-    if name not in ("u16", "u32"):
-        raise argument_error(f"token-file :dtype must be u16 or u32, got {described(dtype)}", loc, "dtype")
-    source.options["dtype"] = name
+    if dtype is not None:
+        source.options["dtype"] = _choice(dtype, ("u16", "u32"), "token-file :dtype", loc, "dtype")
+    if format is not None:
+        source.options["format"] = _choice(format, TOKEN_FILE_FORMATS, "token-file :format", loc, "format")
+    if tokenizer is not None:
+        source.options["tokenizer"] = _choice(tokenizer, TOKENIZERS, "token-file :tokenizer", loc, "tokenizer")
     return source
 
 

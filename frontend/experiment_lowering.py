@@ -24,8 +24,9 @@ from ..diagnostics import DiagnosticSink, Location, SxError
 from ..dialects.core import Operation, Region, SymbolRef, TensorType
 from ..dialects.exp import OPTIMIZER_DEFAULTS
 from ..dialects.inits import Init
+from .calls import invoke
 from .data import Keyword, TensorLike
-from .evaluator import in_expansions, invoke
+from .expansions import in_expansions
 from .experiment_definitions import (
     DiagnosticDef,
     EvaluationDef,
@@ -111,6 +112,55 @@ class ExperimentLowering:
         for trace in evaluations:
             body.append(trace.func)
         return module
+
+    def inference(self) -> Operation:
+        """`graph.func @sample {kind = "inference"}`: the model's forward for one sequence, as
+        `sexpgpu sample` runs it. Call after `module`, inside `run_deep`.
+
+        The model (the experiment's one `defmodel`) is traced as the objective calls it, with the
+        batch dimension 1: its input is the batch input `tokens`, `[1, seq]` token ids of the dtype
+        the objective gives it, and it must return `logits`, `[1, seq, vocab]` floats.
+        """
+        try:
+            return self._inference()
+        except SxError as err:
+            raise in_expansions(err) from None
+
+    def _inference(self) -> Operation:
+        definition = self.definition
+        run = definition.run
+        assert run is not None, "module() checks there is a defrun"
+        loc = run.option_locs.get("objective") or run.loc
+        models = definition.tree.models
+        if len(models) != 1:
+            names = ", ".join(models) or "none"
+            raise SxError(f"sample generates with the experiment's one defmodel; it has {len(models)} ({names})", loc)
+        name, (_, model) = next(iter(models.items()))
+        args = definition.traces["train"].module_calls.get(name)
+        if args is None:
+            raise SxError(f"sample traces model {name} as the objective calls it, but the objective never calls it", loc)
+        if (len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dtype not in ("i32", "i64")
+                or len(args[0].shape) != 2):
+            given = ", ".join(describe(a) for a in args) or "nothing"
+            raise SxError(f"sample needs a model that takes one [batch, seq] tensor of token ids; the objective "
+                          f"calls {name} with {given}", loc)
+        seq, dtype = args[0].shape[1], args[0].dtype
+        trace = Trace("sample", "inference", run.loc, record_counters=False, record_observations=False)
+        with tracing(trace):
+            for p in definition.params.values():
+                p.trace_value(trace, p.loc)
+            tokens = trace.input("batch", "tokens", TensorType((1, seq), dtype), loc)
+            logits = invoke(model, [tokens], loc)
+            shape = getattr(logits, "shape", None)
+            if not isinstance(logits, TensorLike) or shape is None or len(shape) != 3 or shape[:2] != (1, seq):
+                raise SxError(f"sample needs a model that returns [batch, seq, vocab] logits; for one sequence of "
+                              f"{seq} tokens model {name} returns {describe(logits)}", loc)
+            logits_t = as_tensor(logits, trace, loc, "model")
+            if logits_t.dtype not in ("f32", "bf16", "f16"):
+                raise SxError(f"sample needs float logits from model {name}, got {NAME_OF_DTYPE.get(logits_t.dtype)}", loc)
+        trace.finish([("logits", logits_t)], loc)
+        definition.traces["sample"] = trace
+        return trace.func
 
     def _group_ops(self, optimizer: OptimizerSpec) -> list[Operation]:
         """Assign every parameter to the first group whose glob matches it; the rest is `default`."""

@@ -33,6 +33,8 @@ MAX_PARAMS = 10_000
 
 #: Forms nested in forms (lists, vectors, maps), as evaluated or quoted.
 MAX_NESTING = 30_000
+#: Nested calls of .sx functions allowed before a located "too deep" error.
+MAX_CALL_DEPTH = 10_000
 #: Macro expansions nested in one another (an expansion that uses a macro, whose expansion …).
 MAX_EXPANSION_DEPTH = 1_000
 

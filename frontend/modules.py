@@ -24,17 +24,10 @@ from attrs import define, field
 
 from ..diagnostics import Location, SxError
 from ..dialects.inits import Init
+from .analysis import Env, register_special_form
+from .calls import Builtin, Closure, invoke, register_builtin, user_location
 from .data import Keyword, SxList, Symbol
-from .evaluator import (
-    Builtin,
-    Closure,
-    Defined,
-    Env,
-    invoke,
-    register_builtin,
-    register_special_form,
-    user_location,
-)
+from .evaluator import Defined
 from .limits import MAX_PARAMS
 from .printing import short_int, show
 from .tracer import (
@@ -164,7 +157,8 @@ class Module:
         self.callable = Builtin(path, self.call, wants_loc=True)
 
     def call(self, loc: Location | None, *args: Any) -> Any:
-        require_trace(f"module {self.path} ({self.constructor})", loc)
+        trace = require_trace(f"module {self.path} ({self.constructor})", loc)
+        trace.module_calls.setdefault(self.path, list(args))
         with module_path(self.path):
             return invoke(self.forward, list(args), loc)
 

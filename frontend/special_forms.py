@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..diagnostics import Location, SxError
+from .analysis import CORE_FORMS, check_nesting, constant_node, core_form, truthy
+from .calls import Closure, Macro, counted
 from .data import (
     QUASIQUOTE,
     QUOTE,
@@ -24,21 +26,12 @@ from .data import (
     Symbol,
     element_loc,
 )
-from .evaluator import (
-    CORE_FORMS,
-    Closure,
-    Defined,
-    Macro,
-    check_nesting,
-    constant_node,
-    core_form,
-    counted,
-    truthy,
-)
+from .evaluator import Defined
 from .printing import show
 
 if TYPE_CHECKING:
-    from .evaluator import Evaluator, Scope
+    from .analysis import Scope
+    from .evaluator import Evaluator
 
 
 def _expect(cond: bool, message: Callable[[], str], loc: Location | None) -> None:

@@ -29,8 +29,9 @@ from ..diagnostics import Location, SxError
 from ..dialects.core import FLOAT_DTYPES, INT_DTYPES, Builder, Operation, Region, TensorType, Value
 from ..dialects.graph import ShapeError, broadcast_shapes, show_shape
 from ..dialects.traits import Trait, has_trait
+from .analysis import OPERAND_LOCATED
+from .calls import BUILTINS, register_builtin, user_location
 from .data import TENSOR_OPS, SxVector, Symbol, TensorLike
-from .evaluator import BUILTINS, OPERAND_LOCATED, register_builtin, user_location
 from .limits import MAX_ELEMENTS, MAX_GRAPH_OPS
 from .printing import short_int
 
@@ -66,6 +67,8 @@ class Trace:
         self.metrics: dict[str, Location | None] = {}
         self.counters: dict[str, int | float | None] = {}
         self.observed: list[str] = []
+        #: Module path → the arguments of its first call in this graph (what `sample` traces a model with).
+        self.module_calls: dict[str, list[Any]] = {}
         #: Ops recorded so far (see `MAX_GRAPH_OPS`).
         self.op_count = 0
 

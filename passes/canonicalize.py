@@ -31,7 +31,7 @@ from ..dialects.graph_semantics import (
     FLOAT64_COMPARE,
     FLOAT64_UNARY,
     numpy_binary,
-    numpy_dtypes,
+    numpy_dtype,
     numpy_unary,
 )
 from ..dialects.rewriting import GreedyRewriteDriver, Pat, PatternRewriter, PatternRule, RewritePattern
@@ -321,13 +321,14 @@ class FoldSplatConstants(RewritePattern):
                 return exact
         import numpy as np
 
-        dtypes, unary, binary = numpy_dtypes(), numpy_unary(), numpy_binary()
-        args = [dtypes[in_dtype](s) for s in scalars]
+        unary, binary = numpy_unary(), numpy_binary()
+        in_type, out_type = numpy_dtype(in_dtype), numpy_dtype(out_dtype)
+        args = [in_type(s) for s in scalars]
         with np.errstate(all="ignore"):
             if op.name == "graph.cast":
                 if out_dtype not in FLOAT_DTYPES and out_dtype != "i1" and not np.isfinite(args[0]):
                     return None
-                result = np.array(args[0]).astype(dtypes[out_dtype])[()]
+                result = np.array(args[0]).astype(out_type)[()]
             elif op.name in unary:
                 if in_dtype == "i1":
                     return None
@@ -336,7 +337,7 @@ class FoldSplatConstants(RewritePattern):
                 if in_dtype == "i1" or (op.name in _FLOAT_ONLY and in_dtype not in FLOAT_DTYPES):
                     return None
                 result = binary[op.name](args[0], args[1])
-        return _python_scalar(dtypes[out_dtype](result), out_dtype)
+        return _python_scalar(out_type(result), out_dtype)
 
 
 def canonical_patterns(fast_math: bool = False) -> list[RewritePattern]:

@@ -29,11 +29,14 @@ class EvaluatePass(Pass):
     """Evaluates the unit's .sx file and traces its run into `unit.module`.
 
     Guarantees: the module holds the exp ops and graph.funcs the file defines
-    under the unit's selection; `unit.facts.experiment` holds the evaluated `ExperimentDefinition`.
+    under the unit's selection (and, with `inference`, `@sample` last); `unit.facts.experiment`
+    holds the evaluated `ExperimentDefinition`.
     """
 
     name: ClassVar[str] = "evaluate"
     summary: ClassVar[str] = "evaluate the .sx file under the selection and trace its graphs"
+    #: Also trace the model's forward for one sequence (`graph.func @sample`).
+    inference: bool = False
 
     def run(self, unit: CompilationUnit) -> None:
         if unit.path is None:
@@ -47,4 +50,6 @@ class EvaluatePass(Pass):
             definition = evaluator.experiment  # type: ignore[attr-defined]
             lowering = ExperimentLowering(definition, unit.diagnostics)
             unit.module = run_deep(lambda: lowering.module(unit.path))
+            if self.inference:
+                unit.module.body.append(run_deep(lowering.inference))
         unit.facts.experiment = definition

@@ -51,12 +51,11 @@ from attrs import define
 from ..diagnostics import Location, UsageError
 from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Value, VerifyError
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
-from ..dialects.graph import cast_dtype, func_kind, graph_funcs, op_axis, transpose_perm
+from ..dialects.graph import cast_dtype, func_kind, graph_funcs, is_derived, op_axis, transpose_perm
 from ..dialects.index_maps import Expr, reshape_index
 from ..dialects.printer import print_op
 from .dce import eliminate_dead_ops
-from .emit_cuda.launches import plan_generated, plan_template
-from .flat_updates import flat_update_graph
+from .flat_updates import group_update_graph
 from .fuse_plan import (
     FREE_VIEWS,
     INDEX_VIEWS,
@@ -70,6 +69,7 @@ from .fuse_plan import (
     view_sources,
 )
 from .manager import CompilationUnit, Pass, register_pass
+from .targets import KernelTarget, kernel_target
 
 #: Ops the lowering leaves in a graph as they are.
 _KEPT = frozenset({"graph.input", "graph.return", "graph.metric", "graph.counter", "graph.observe", "kern.launch",
@@ -98,13 +98,15 @@ class Fuse(Pass):
     name = "fuse"
     summary = "fuse pointwise, reduction and index ops into kernels; matmuls become cuBLASLt GEMMs"
     max_nodes: int = 15
+    #: The kernel target that plans each kernel's launch (`passes/targets.py`).
+    target: str = "cuda"
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
         if self.max_nodes < 1:
             raise UsageError(f"option 'max-nodes' of pass 'fuse' must be at least 1, not {self.max_nodes}")
         facts = unit.facts.lowering_facts()
-        kernels = KernelTable(module)
+        kernels = KernelTable(module, kernel_target(self.target))
         updates, fell_back = merge_update_groups(module)
         facts.updates.update(updates)
         facts.fell_back.extend(fell_back)
@@ -120,10 +122,11 @@ class Fuse(Pass):
 
 
 class KernelTable:
-    """The module's `kern.kernel`s, one per distinct computation."""
+    """The module's `kern.kernel`s, one per distinct computation, launched as `target` plans them."""
 
-    def __init__(self, module: Operation) -> None:
+    def __init__(self, module: Operation, target: KernelTarget) -> None:
         self.module = module
+        self.target = target
         self.symbols: dict[str, Operation] = {}
         for op in module.body.ops:
             if op.name == "kern.kernel":
@@ -170,33 +173,23 @@ def merge_update_groups(module: Operation) -> tuple[dict[str, dict[str, Any]], l
     fell_back: list[dict[str, Any]] = []
     by_group: dict[str, list[Operation]] = {}
     for func in graph_funcs(module):
-        if func_kind(func) == "update" and "group" in func.attributes:
+        # A group's flat update that `flatten-updates` added for the driver is not one of its members.
+        if func_kind(func) == "update" and "group" in func.attributes and not is_derived(func):
             by_group.setdefault(func.attributes["group"], []).append(func)
     for group, funcs in by_group.items():
-        sizes = [_param_type(f).numel for f in funcs]
-        flat = flat_update_graph(funcs, sum(sizes)) if len(funcs) > 1 else None
+        flat = group_update_graph(funcs)
         if flat is None:
             if len(funcs) > 1:
                 fell_back.append({"graph": f"update {group}", "family": "multi-tensor update", "path": group,
                                   "reason": "its members' update graphs differ beyond their shapes: "
                                             "one update kernel per member"})
             continue
-        members, start = [], 0
-        for func, size in zip(funcs, sizes):
-            members.append({"path": func.attributes["param"], "start": start, "numel": size})
-            start += size
-        flat.attributes["members"] = members
         module.body.insert_before(flat, funcs[0])
         merged[group] = {"graphs": len(funcs), "nodes": sum(len(f.body) for f in funcs),
                          "graph": flat.attributes["sym_name"]}
         for func in funcs:
             func.erase()
     return merged, fell_back
-
-
-def _param_type(func: Operation) -> TensorType:
-    return next(op.result.type for op in func.body.ops
-                if op.name == "graph.input" and op.attributes.get("role") == "param")
 
 
 # -- one graph --------------------------------------------------------------------------------
@@ -406,7 +399,7 @@ def lower_scatter_add(op: Operation, kernels: KernelTable) -> None:
     path = op.attributes.get("path", "")
     attributes: dict[str, Any] = {"kind": "scatter_add", "inputs": [indices.type, source.type], "outputs": [out],
                                   "path": path}
-    launch, sizes, scratch = plan_template("scatter_add", attributes)
+    launch, sizes, scratch = kernels.target.plan_template("scatter_add", attributes)
     # A template's scratch buffer is one more output of the kernel, which nothing reads: plan-buffers
     # gives it arena space for the launch alone.
     attributes.update(launch.attributes(), sizes=sizes)
@@ -651,7 +644,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
     only = plan.ops[0] if len(plan.ops) == 1 else None
     if only is not None and only.name == "kern.copy" and _plain(plan):
         attributes["kind"] = "copy"
-        launch, sizes, _ = plan_template("copy", attributes)
+        launch, sizes, _ = kernels.target.plan_template("copy", attributes)
         attributes.update(launch.attributes())
         symbol = kernels.intern(attributes, None, "copy", plan.ops[0].loc)
     else:
@@ -661,7 +654,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
         attributes["kind"] = kind
         body = build_body(plan)
         index_exprs = [op.attributes["expr"] for op in body.blocks[0].ops if op.name == "kern.index"]
-        launch = plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs)
+        launch = kernels.target.plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs)
         attributes.update(launch.attributes())
         symbol = kernels.intern(attributes, body, _stem(plan, kind), plan.ops[0].loc)
     members = set(plan.ops)
@@ -676,6 +669,9 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
 
 
 def _plain(plan: GroupPlan) -> bool:
+    """Whether the group is one copy through plain strides (a gathering copy also reads its index input)."""
+    if len(plan.inputs) != 1:
+        return False
     access = plan.inputs[0]
     return not access.guards and not access.offset.gathers and access.offset.strides() is not None and all(
         s >= 0 for s in access.offset.strides()) and access.offset.const >= 0
@@ -684,7 +680,7 @@ def _plain(plan: GroupPlan) -> bool:
 def _launch_fill(op: Operation, kernels: KernelTable, path_of: dict[Operation, str]) -> None:
     attributes: dict[str, Any] = {"kind": "fill", "value": op.attributes["value"], "inputs": [],
                                   "outputs": [op.result.type], "path": path_of.get(op, "")}
-    launch, _, _ = plan_template("fill", attributes)
+    launch, _, _ = kernels.target.plan_template("fill", attributes)
     attributes.update(launch.attributes())
     symbol = kernels.intern(attributes, None, f"fill_{op.result.type.dtype}", op.loc)
     new = _create("kern.launch", [], {"kernel": SymbolRef(symbol), "path": attributes["path"]}, op,

@@ -4,7 +4,7 @@ Option `policy`: `f32`, `bf16`, or `auto` (the default: the `precision` of
 the module's exp.run, `f32` when there is none). `f32` adds no cast.
 
 `bf16` rewrites the graphs of kind train, train_accumulating, train_stacked,
-train_diagnosed and evaluation (update and clip graphs are untouched). Walking
+train_diagnosed, evaluation and inference (update and clip graphs are untouched). Walking
 each graph in block order, a value is *f32-kept* when it is a gradient input
 (`role = "grad"`: the sum of the earlier microbatches' gradients that
 `train_accumulating` adds to, so gradients accumulate in f32), the result of

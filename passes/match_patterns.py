@@ -43,13 +43,13 @@ from ..dialects.graph import graph_funcs
 from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
 from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
-from .emit_cuda.pattern_kernels import FLOAT_STORAGE
 from .manager import CompilationUnit, Pass, register_pass
 from .patterns.domain import is_float_cast
 from .patterns.families import Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
 from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
+from .targets import KernelTarget, kernel_target
 
 #: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
 ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
@@ -68,21 +68,24 @@ class MatchPatterns(Pass):
     name = "match-patterns"
     summary = "replace row programs and the cross-entropy tail, recognised from their math, by kernel launches"
     remarks: bool = False
+    #: The kernel target whose templates the kernels are (`passes/targets.py`).
+    target: str = "cuda"
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
+        target = kernel_target(self.target)
         kernels = KernelTable(module)
         lowering = unit.facts.lowering_facts()
         facts = lowering.patterns = lowering.patterns if lowering.patterns is not None else {}
         cache = MatchCache()
         for func in graph_funcs(module):
             block = func.regions[0].blocks[0]
-            plans = plan_matches(block, find_matches(block, cache))
+            plans = plan_matches(block, find_matches(block, cache), target)
             name = func.attributes["sym_name"]
             if not plans:
                 facts[name] = {}
                 continue
-            replace = ReplaceRegions(block, plans, kernels)
+            replace = ReplaceRegions(block, plans, kernels, target)
             GreedyRewriteDriver([replace]).rewrite_block(block)
             facts[name] = pattern_facts(plans, replace.symbols)
             if self.remarks:
@@ -93,11 +96,18 @@ class MatchPatterns(Pass):
 def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
     where = f"{plan.loc}: " if plan.loc is not None else ""
     what = f"{_display(plan.family)} at {plan.path or '(no path)'} in @{graph}"
+    declined = "".join(f"\n{where}remark: {_display(_forward_key(family))} at {plan.path or '(no path)'} in @{graph}: "
+                       f"fell back: {reason}" for family, reason in plan.match.declined)
     if plan.taken:
         forms = "".join(f"; as {form}" for form in plan.match.forms)
         kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
-        return f"{where}remark: {what}: kernel {kernels}{forms}"
-    return f"{where}remark: {what}: fell back: {plan.reason}"
+        return f"{where}remark: {what}: kernel {kernels}{forms}{declined}"
+    return f"{where}remark: {what}: fell back: {plan.reason}{declined}"
+
+
+def _forward_key(family: str) -> str:
+    """A forward family's name in the facts (the cross-entropy tail's carries its direction)."""
+    return "cross_entropy_forward" if family == "cross_entropy" else family
 
 
 def _display(family: str) -> str:
@@ -108,18 +118,25 @@ def pattern_facts(plans: list[Plan], symbols: dict[Plan, list[str]]) -> dict[str
     """Per family: its report group, direction, kernels, how often it fired, the model paths of its regions,
     the `as` forms found, and the regions that fell back with their reasons."""
     facts: dict[str, dict[str, Any]] = {}
+
+    def entry_of(family: str, kind: str, direction: str) -> dict[str, Any]:
+        return facts.setdefault(family, {"group": GROUPS[kind], "direction": direction, "kernels": [], "fired": 0,
+                                         "paths": [], "as": [], "fell_back": []})
+
     for plan in plans:
-        entry = facts.setdefault(plan.family, {
-            "group": GROUPS[plan.match.kind], "direction": plan.match.direction, "kernels": [], "fired": 0,
-            "paths": [], "as": [], "fell_back": []})
+        loc = plan.loc.short() if plan.loc is not None else None
+        for family, reason in plan.match.declined:
+            kind = "cross_entropy" if family == "cross_entropy" else "row"
+            entry_of(_forward_key(family), kind, "forward")["fell_back"].append(
+                {"path": plan.path, "reason": reason, "loc": loc})
+        entry = entry_of(plan.family, plan.match.kind, plan.match.direction)
         if plan.taken:
             entry["kernels"].extend(symbol for symbol in symbols[plan] if symbol not in entry["kernels"])
             entry["fired"] += 1
             entry["paths"].append(plan.path)
             entry["as"].extend(form for form in plan.match.forms if form not in entry["as"])
         else:
-            entry["fell_back"].append({"path": plan.path, "reason": plan.reason,
-                                       "loc": plan.loc.short() if plan.loc is not None else None})
+            entry["fell_back"].append({"path": plan.path, "reason": plan.reason, "loc": loc})
     return facts
 
 
@@ -171,7 +188,8 @@ def _key(attributes: dict[str, Any]) -> str:
 class ReplaceRegions(RewritePattern):
     """When the driver reaches the first op of a taken plan's slice, its kernel launch replaces the slice."""
 
-    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable) -> None:
+    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable, target: KernelTarget) -> None:
+        self.target = target
         self.pending = {plan.match.slice[0]: plan for plan in plans if plan.taken}
         #: Block order, for placing launches: ops inserted before an op take places just before it.
         self.position: dict[Operation, float] = {op: float(i) for i, op in enumerate(block.ops)}
@@ -241,7 +259,8 @@ class _Launch:
                 plan.reason = f"its forward fell back, and no value holds the {' and '.join(missing)} its kernel reads"
                 return
         kernel = plan.kernel()
-        input_names, output_names = kernel.operands()
+        target = self.owner.target
+        input_names, output_names = target.pattern_operands(kernel)
         sources = {name: self.owner.current(self.source(name)) for name in input_names}
         accumulate = self.owner.current(match.accumulate) if match.accumulate is not None else None
         anchor = self.owner.anchor(match, [*sources.values(), *([accumulate] if accumulate is not None else [])])
@@ -253,10 +272,9 @@ class _Launch:
         dtypes = {name: value.type.dtype for name, value in sources.items()} | {n: d for n, (d, _) in outputs.items()}
         types = {name: self.layout(name, sources[name].type.dtype) for name in input_names}
         types |= {name: self.layout(name, outputs[name][0]) for name in output_names}
-        program = kernel.program(dtypes)
-        sizes = program.all_sizes({"rows": rows})
+        launches = target.pattern_launches(kernel, dtypes, rows)
         # Scratch (a backward's partial column sums, a loss's partial sums) is f32 the program's steps pass on.
-        types |= {name: TensorType((nbytes // 4,), "f32") for name, nbytes in program.scratch_bytes(sizes).items()}
+        types |= {name: TensorType((nbytes // 4,), "f32") for name, nbytes in launches.scratch.items()}
         base = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
                 "dtypes": dtypes, "path": plan.path}
         data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
@@ -265,15 +283,12 @@ class _Launch:
         symbols = self.owner.symbols[plan] = []
         # One launch per step of the template's program, each a kernel symbol of its own: a step's results
         # (scratch included) are values the next step reads, so plan-buffers places them like any other.
-        for index, step in enumerate(program.steps):
-            pointers = [(param, name) for param, name in zip(step.kernel.params, step.arguments) if param.is_pointer]
-            reads = [name for param, name in pointers if param.role == "input"]
-            writes = [name for param, name in pointers if param.role != "input"]
-            shape = step.kernel.launch(sizes)
+        for index, step in enumerate(launches.steps):
+            reads, writes = list(step.reads), list(step.writes)
             attributes = {**base, "step": index, "operands": [*reads, *writes],
                           "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
-                          "grid": list(shape.grid), "block": list(shape.block), "shared": shape.shared_bytes}
-            suffix = f"_{step.kernel.family}" if index else ""
+                          "grid": list(step.grid), "block": list(step.block), "shared": step.shared}
+            suffix = f"_{step.name}" if step.name else ""
             symbol = self.owner.kernels.symbol(stem + suffix, attributes, match.slice[0].loc)
             symbols.append(symbol)
             launch = self.owner.create(self.rewriter, "kern.launch", [values[n] for n in reads],
@@ -319,12 +334,12 @@ class _Launch:
         forward = match.forward
         own = {"logits": "x"}.get(name, name) if match.family == "cross_entropy" else name
         if own in match.inputs:
-            return storage(match.inputs[own])
+            return storage(match.inputs[own], self.owner.target)
         if forward is not None and name in match.stats:
             replaced = self.owner.outputs.get(forward)
             return replaced[name] if replaced is not None else forward.outputs[name][0]
         if forward is not None and own in forward.inputs:
-            return storage(forward.inputs[own])
+            return storage(forward.inputs[own], self.owner.target)
         if name == "dloss":
             const = self.owner.create(self.rewriter, "graph.const", [], {"value": 1.0}, [TensorType((), "f32")],
                                       match.slice[0].loc, match.slice[0])
@@ -348,7 +363,7 @@ class _Launch:
             dtypes = {c.attributes["dtype"] for c in casts}
             if readers and len(dtypes) == 1 and all(_casts_reading(u) for u in readers):
                 (dtype,) = dtypes
-                if dtype in FLOAT_STORAGE and dtype != values[0].type.dtype:
+                if dtype in self.owner.target.float_storage and dtype != values[0].type.dtype:
                     return dtype, [c.result for c in casts]
         return values[0].type.dtype, values
 

@@ -1,11 +1,30 @@
 """Named pipelines the verbs and the Python API run."""
 
-#: From a .sx file to every graph a training run executes. `autodiff` cleans its own output
-#: (canonicalize, cse, dce); the cleanup before `plan-memory` is for what the passes since autodiff add.
+#: From a .sx file to every graph of the experiment. `autodiff` cleans its own output (canonicalize, cse,
+#: dce); the cleanup before `plan-memory` is for what the passes since autodiff add.
 TRAINING_PIPELINE = (
     "evaluate,autodiff,diagnose,accumulate,build-updates,fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
 )
 
+#: After the training pipeline, for a run: the graphs the training driver runs beside the experiment's
+#: (`derived`): each optimizer group's update and the clipping over flat arrays, the gradient scaling.
+RUN_GRAPHS = "flatten-updates,scale-gradients"
+
+#: After `RUN_GRAPHS`, for a device that stacks microbatches (`Executor.stacks_microbatches`): a stacked
+#: train graph for each degree it may choose among by memory.
+STACK_VARIANTS = "stack-variants"
+
 #: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
 #: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
 CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"
+
+
+def run_graphs(stacking: bool) -> str:
+    """The passes after the training pipeline that make the graphs a training run executes beside the
+    experiment's; with `stacking`, the stacking variants too."""
+    return RUN_GRAPHS + (f",{STACK_VARIANTS}" if stacking else "")
+
+
+#: What `sexpgpu sample` compiles: the training pipeline, whose module's fingerprint is the run's, with
+#: the model's forward for one sequence (`@sample`) traced too and cleaned by the same passes.
+SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=true},", 1)

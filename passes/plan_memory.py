@@ -1,7 +1,7 @@
 """`plan-memory`: an upper bound on the peak activation memory of one microbatch.
 
 For every graph of kind train, train_accumulating, train_stacked,
-train_diagnosed or evaluation, with the block order as the schedule (op i at
+train_diagnosed, evaluation or inference, with the block order as the schedule (op i at
 program point i):
 
 - a value is live from the point of its defining op to the point of its last

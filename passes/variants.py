@@ -37,13 +37,24 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
+from typing import Any
 
 from attrs import define
 
 from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType, Value
 from ..dialects.exp import REDUCERS
-from ..dialects.graph import emit_name, func_kind, input_name, input_role, is_input, return_names
+from ..dialects.graph import (
+    emit_name,
+    erase_derived,
+    func_kind,
+    graph_funcs,
+    input_name,
+    input_role,
+    is_derived,
+    is_input,
+    return_names,
+)
 from ..dialects.traits import Trait, has_trait
 from .autodiff import GRAD_PREFIX, func_name
 from .manager import CompilationUnit, Pass, register_pass
@@ -72,24 +83,14 @@ def new_graph(module: Operation, after: Operation, name: str, **attributes) -> O
     return func
 
 
-def copy_op(op: Operation, values: dict[Value, Value], builder: Builder) -> Operation:
-    """A copy of `op` at the builder's insertion point, its operands mapped through `values`."""
-    copy = builder.create(op.name, [values[v] for v in op.operands], dict(op.attributes),
-                          result_types=[r.type for r in op.results], loc=op.loc)
-    for old, new in zip(op.results, copy.results):
-        values[old] = new
-    return copy
-
-
 def clone_graph(module: Operation, train: Operation, name: str, skip: Iterable[str] = (), **attributes) -> Operation:
     """A copy of `train` named `name`, without the ops named in `skip`."""
     func = new_graph(module, train, name, **{**train.attributes, **attributes})
-    builder = Builder(func.body)
     values: dict[Value, Value] = {}
     skipped = set(skip)
     for op in train.body.ops:
         if op.name not in skipped:
-            copy_op(op, values, builder)
+            func.body.append(op.clone(values))
     return func
 
 
@@ -167,13 +168,16 @@ class Stack(Pass):
         build_stacked(module, train_graph(module, needs_grads=True), self.k)
 
 
-def build_stacked(module: Operation, train: Operation, k: int, accumulating: bool = False) -> Operation:
+def build_stacked(module: Operation, train: Operation, k: int, accumulating: bool = False,
+                  suffix: str = "", **attributes: Any) -> Operation:
     """`@train_stacked` for k microbatches; with `accumulating`, `@train_stacked_accumulating` (kind
     `train_stacked`, `accumulating = true`), which adds the k gradients into `grad/<path>` inputs as
-    `@train_accumulating` does: what a device runs for the second and later k microbatches of a step."""
-    name = "train_stacked_accumulating" if accumulating else "train_stacked"
+    `@train_accumulating` does: what a device runs for the second and later k microbatches of a step.
+    `suffix` follows the name; `attributes` are added to the graph's."""
+    name = ("train_stacked_accumulating" if accumulating else "train_stacked") + suffix
     extra = {"accumulating": True} if accumulating else {}
-    func = new_graph(module, train, name, **{**train.attributes, "kind": "train_stacked", "k": k, **extra})
+    func = new_graph(module, train, name, **{**train.attributes, "kind": "train_stacked", "k": k, **extra,
+                                             **attributes})
     builder = Builder(func.body)
     shared: dict[Value, Value] = {}
     stacked: dict[Value, Value] = {}
@@ -185,7 +189,7 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
             stacked[op.result] = builder.create(op.name, [], dict(op.attributes),
                                                 result_types=[t.with_shape((k,) + t.shape)], loc=op.loc).result
         else:
-            copy_op(op, shared, builder)
+            builder.insert(op.clone(shared))
     ret = train.body.last_op
     outputs: list[list[Value]] = [[] for _ in ret.operands]
     emitted: dict[tuple[str, str], list[Value]] = {}
@@ -199,7 +203,7 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
             if has_trait(op, Trait.EMIT):
                 emitted.setdefault((op.name, emit_name(op)), []).append(values[op.operands[0]])
             elif op.name not in ("graph.input", "graph.return"):
-                copy_op(op, values, builder)
+                builder.insert(op.clone(values))
         for index, value in enumerate(ret.operands):
             outputs[index].append(values[value])
     builder.loc = ret.loc
@@ -212,6 +216,43 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
     if accumulating:
         add_previous_gradients(func)
     return func
+
+
+@register_pass
+@define
+class StackVariants(Pass):
+    """Adds the stacked train graphs of every stacking degree a device may choose, for the training driver.
+
+    Guarantees: `@train` is unchanged; for each divisor k > 1 of the run's
+    microbatches there is `@"train_stacked/<k>"` (as `stack{k}` builds it) and,
+    when k is less than the microbatches, `@"train_stacked_accumulating/<k>"`,
+    both `derived`; a run of one microbatch gets none.
+    """
+
+    name = "stack-variants"
+    summary = "add @train_stacked/<k> (and its accumulating twin) for each divisor k > 1 of the microbatches"
+
+    def run(self, unit: CompilationUnit) -> None:
+        module = unit.require_module(self.name)
+        erase_derived(module, "train_stacked")
+        microbatches = run_microbatches(module)
+        if microbatches < 2:
+            return
+        train = train_graph(module, needs_grads=True)
+        # Each graph is placed right after @train: the largest degree ends up first.
+        for k in (k for k in range(2, microbatches + 1) if microbatches % k == 0):
+            if k < microbatches:
+                build_stacked(module, train, k, accumulating=True, suffix=f"/{k}", derived=True)
+            build_stacked(module, train, k, suffix=f"/{k}", derived=True)
+
+
+def stack_variants(module: Operation) -> dict[int, list[Operation]]:
+    """The graphs `stack-variants` added, by degree: `@train_stacked/<k>`, then its accumulating twin if any."""
+    variants: dict[int, list[Operation]] = {}
+    for func in graph_funcs(module):
+        if is_derived(func) and func_kind(func) == "train_stacked":
+            variants.setdefault(int(func.attributes["k"]), []).append(func)
+    return {k: sorted(funcs, key=lambda f: f.attributes.get("accumulating") is True) for k, funcs in variants.items()}
 
 
 def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
@@ -253,7 +294,7 @@ class Diagnose(Pass):
 
 def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Operation]) -> Operation:
     func = clone_graph(module, train, "train_diagnosed", kind="train_diagnosed")
-    microbatches = _microbatches(module)
+    microbatches = run_microbatches(module)
     # A gradient diagnostic reduces the step's gradient, not one microbatch's: the graph then runs as the
     # step's last microbatch, adding into the gradients so far, and reduces their mean.
     accumulates = microbatches > 1 and any(d.attributes["of"]["kind"] == "grads" for d in diagnostics)
@@ -281,7 +322,8 @@ def build_diagnosed(module: Operation, train: Operation, diagnostics: list[Opera
     return func
 
 
-def _microbatches(module: Operation) -> int:
+def run_microbatches(module: Operation) -> int:
+    """The microbatches a step of the module's `exp.run` takes (1 without one)."""
     runs = [op for op in module.body.ops if op.name == "exp.run"]
     return int(runs[0].attributes.get("microbatches", 1)) if runs else 1
 

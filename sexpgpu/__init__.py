@@ -29,4 +29,12 @@ def train(path: str, variant: str | None = None, set: dict[str, Any] | None = No
     return train_experiment(path, variant, set, out, lowering_text=lowering_text, **options)
 
 
-__all__ = ["__version__", "compile", "train"]
+def sample(run: str, prompt: str = "\n", **options: Any) -> dict[str, Any]:
+    """Generate from a run's checkpoint as `sexpgpu sample` does; returns its `--json` document
+    (options: tokens, temperature, top_k, seed, samples, device, checkpoint, force, on_text)."""
+    from .backends.sampling import sample as sample_run
+
+    return sample_run(run, prompt, **options)
+
+
+__all__ = ["__version__", "compile", "sample", "train"]

@@ -1,13 +1,18 @@
-"""What every command-line program shares: the error boundary and selection flags."""
+"""What every command-line program shares: the error boundary, Ctrl-C, and selection flags."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
-from ..diagnostics import SxError, UsageError
+from ..interruption import interrupt
 
 ISSUES_URL = "the sexpgpu issue tracker"
 
@@ -35,8 +40,25 @@ def add_device_flag(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"{purpose} (default: $SEXPGPU_DEVICE or cpu)")
 
 
+#: Seconds the work has, after a Ctrl-C, to stop before the process ends without it.
+INTERRUPT_GRACE = 3.0
+
+
 def guarded(body: Callable[[], int]) -> int:
-    """Run a command body: user errors print their diagnostic and give 1, usage errors 2, bugs 3."""
+    """Run a command body: user errors print their diagnostic and give 1, usage errors 2, bugs 3,
+    Ctrl-C 130 (see `ctrl_c`)."""
+    with ctrl_c():
+        try:
+            return _reported(body)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+
+def _reported(body: Callable[[], int]) -> int:
+    # Imported here, under `ctrl_c`: a Ctrl-C while the command starts is handled too.
+    from ..diagnostics import SxError, UsageError
+
     try:
         return body()
     except SxError as err:
@@ -46,9 +68,6 @@ def guarded(body: Callable[[], int]) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         return 0
     except RecursionError:
@@ -60,3 +79,42 @@ def guarded(body: Callable[[], int]) -> int:
               f"{ISSUES_URL} with the trace below", file=sys.stderr)
         traceback.print_exc()
         return 3
+
+
+@contextmanager
+def ctrl_c() -> Iterator[None]:
+    """Ctrl-C while a command runs, the one mechanism: the first interrupts the work, wherever it
+    runs (`sexpgpu.interruption`), and the command ends "interrupted" with status 130; a second,
+    or work that has not stopped `INTERRUPT_GRACE` seconds after the first, ends the process at
+    once with that status. Left as it is where Ctrl-C is ignored (`nohup`), or set by the program
+    embedding the command, and outside the main thread.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    deadline: list[threading.Timer] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if deadline:
+            _end_interrupted()
+        timer = threading.Timer(INTERRUPT_GRACE, _end_interrupted)
+        timer.daemon = True
+        deadline.append(timer)
+        timer.start()
+        interrupt()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for timer in deadline:
+            timer.cancel()
+
+
+def _end_interrupted() -> None:
+    """End the process now, as an interrupted command: without finalizing the interpreter
+    under work that may still run (deep in a recursion, finalizing aborts the process)."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)

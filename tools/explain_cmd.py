@@ -23,7 +23,7 @@ from typing import TextIO
 from ..backends.devices import open_device, require_available
 from ..diagnostics import UsageError
 from ..passes.manager import CompilationUnit, run_pipeline
-from ..passes.pipelines import TRAINING_PIPELINE
+from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
 from ..report.document import build_document
 from ..report.explain_text import render_text
 from .common import add_device_flag
@@ -58,6 +58,8 @@ def opened_device_document(args: argparse.Namespace) -> dict:
     executor = open_device(args.device, "explain")
     unit = compile_unit(args.file, args.variant, args.set)
     document = build_document(unit.module, unit.facts, unit.path)
+    # The graphs a run derives for the driver, after the document (which shows the experiment's).
+    run_pipeline(unit, run_graphs(executor.stacks_microbatches))
     DeviceSetup(TrainingPlan(unit.module, unit.path), executor)
     lowering = executor.lowering_facts()
     document["device"] = lowering.measured() if lowering is not None else None

@@ -19,6 +19,8 @@ VERBS = {
     "ir": ("ir_cmd", "the whole experiment as a JSON document"),
     "run": ("run_cmd", "train the experiment"),
     "plot": ("plot_cmd", "plot the metrics of a run record as a PNG"),
+    "sample": ("sample_cmd", "generate text from a run's checkpoint"),
+    "prepare": ("prepare_cmd", "encode text files into train.bin and val.bin token files"),
 }
 
 #: Verbs that compile a module, report on it and end: run as the process (`sexpgpu VERB ...`), they
@@ -27,7 +29,7 @@ VERBS = {
 _ONE_SHOT = {"check", "explain", "ir", "diff"}
 
 #: Verbs that take no experiment selection.
-_NO_SELECTION = {"plot"}
+_NO_SELECTION = {"plot", "sample", "prepare"}
 
 
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
@@ -52,12 +54,12 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
-        from ..dialects.core import tune_gc_for_large_ir
-
-        tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         words = sys.argv[1:] if argv is None else argv
         chosen = next((w for w in words if not w.startswith("-")), None)
         args = build_parser(chosen).parse_args(words)
+        from ..dialects.core import tune_gc_for_large_ir
+
+        tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         if argv is None and args.verb in _ONE_SHOT:
             gc.disable()
         module = importlib.import_module(f"sexpgpu.tools.{VERBS[args.verb][0]}")

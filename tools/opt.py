@@ -73,8 +73,10 @@ class ChunkResult:
 def list_passes() -> str:
     from ..passes import load_all
     from ..passes.manager import PASSES
+    from ..targets import register_targets
 
     load_all()
+    register_targets()
     width = max((len(n) for n in PASSES), default=0)
     return "".join(f"  {name:<{width}}  {PASSES[name].summary}\n" for name in sorted(PASSES))
 
@@ -252,8 +254,10 @@ class Opt:
     def check_pass_names(self) -> None:
         from ..passes import load_all
         from ..passes.manager import PASSES, parse_pipeline
+        from ..targets import register_targets
 
         load_all()
+        register_targets()
         parse_pipeline(self.args.pipeline)  # a usage error now rather than once per chunk
         for name in [*self.args.print_ir_after, *self.args.print_ir_before]:
             if name not in PASSES:

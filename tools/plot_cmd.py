@@ -1,4 +1,4 @@
-"""`sexpgpu plot DIR`: the metrics of a run record over steps, as a PNG (see docs/verbs/run.md)."""
+"""`sexpgpu plot DIR`: the metrics of a run record over steps, as a PNG (see docs/verbs/plot.md)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .cublaslt import WORKSPACE_BYTES, CublasLt
+from .lowering import NvrtcCompiler
 from .runtime import (
     CapturedGraph,
     CaptureError,
@@ -35,7 +36,6 @@ from .runtime import (
     LoadedModule,
     Stream,
     check_fits,
-    cubin_image,
     declared_kernels,
     dim3,
     typed_arguments,
@@ -130,6 +130,7 @@ class PycudaRuntime(DeviceRuntime):
         self._context.push()
         free, total = self.cuda.mem_get_info()
         self.device = DeviceInfo(index, device.name(), total, free, tuple(device.compute_capability()), "pycuda")
+        self.compiler = NvrtcCompiler(self.device.arch)
         self.default_stream = self.stream()
         self._allocations: dict[int, Any] = {}
         self._last_kernel: str | None = None
@@ -223,7 +224,7 @@ class PycudaRuntime(DeviceRuntime):
     # code -----------------------------------------------------------------------------------------
 
     def load_module(self, source: KernelSource) -> LoadedModule:
-        image = cubin_image(source, self.device.arch)
+        image = self.binary(source).image
         module = self._call(lambda: self.cuda.module_from_buffer(image), f"cuModuleLoadData ({source.name})")
         shared = self.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES
         kernels = {}

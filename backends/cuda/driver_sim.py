@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from .compiler import KernelCompiler
 from .cublaslt import BIAS_EPILOGUES
 from .runtime import (
     CapturedGraph,
@@ -47,7 +48,7 @@ from .runtime import (
     param_type,
     typed_arguments,
 )
-from .sim import ROUND_ROBIN, DeviceBuffer, SimDevice, SimError
+from .sim import ROUND_ROBIN, DeviceBuffer, SimDevice, SimError, SimModule, compile_module
 
 if TYPE_CHECKING:
     from .cublaslt import GemmSpec
@@ -114,6 +115,18 @@ class SimGraph(CapturedGraph):
         self.operations = None
 
 
+class HostCompiler(KernelCompiler):
+    """The host C++ compiler against `cuda_sim.h`, to a shared object cuda-sim loads (`sim.compile_module`,
+    disk-cached in `cache_dir`, default the simulator's): cuda-sim's compiler. It tells the report no
+    register or spill figures (a GPU's are NVRTC's)."""
+
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        self.cache_dir = cache_dir
+
+    def compile(self, source: str, name: str) -> SimModule:
+        return compile_module(source, f"{name}.cu", self.cache_dir)
+
+
 class SimRuntime(DeviceRuntime):
     """The device runtime on `cuda-sim`.
 
@@ -127,7 +140,7 @@ class SimRuntime(DeviceRuntime):
         super().__init__()
         self.sim = SimDevice()
         self.schedule = schedule
-        self.cache_dir = cache_dir
+        self.compiler = HostCompiler(cache_dir)
         total = memory_bytes if memory_bytes is not None else _host_memory() // 2
         self.device = DeviceInfo(index, "cuda-sim (a simulated CUDA device on the host CPU)", total, total,
                                  SIM_COMPUTE_CAPABILITY, "cuda-sim")
@@ -192,7 +205,7 @@ class SimRuntime(DeviceRuntime):
     # code -----------------------------------------------------------------------------------------
 
     def load_module(self, source: KernelSource) -> LoadedModule:
-        module = self.sim.compile(source.source, f"{source.name}.cu", self.cache_dir)
+        module = self.binary(source)
         kernels = {}
         for name, compiled in module.kernels.items():
             params = []

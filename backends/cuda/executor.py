@@ -5,19 +5,22 @@ Registered as `cuda` (a GPU through `SEXPGPU_CUDA_DRIVER`'s driver) and
 with a graph (docs/cuda.md, "Running on the device"):
 
 - `compile(func)` runs the CUDA lowering (`passes.pipelines.CUDA_LOWERING`:
-  match-patterns, fuse, plan-buffers, emit-cuda) on a copy of the module
-  holding `func` — once per module, so the experiment's graphs share one
-  translation unit, one NVRTC compile and one loaded module — compiles the
-  unit (NVRTC CUBIN for the device's architecture; g++ on cuda-sim) and
-  returns a `CudaExecutable` (`executable.py`) that launches the graph's
-  kernels and GEMMs in order. A graph not inside a module (the driver's flat
-  update, clip and scaling graphs) is lowered on its own.
+  match-patterns, fuse, plan-buffers, emit-cuda) on a copy (`Operation.clone`)
+  of the experiment's graphs in the module holding `func` — once per module,
+  so they share one translation unit, one NVRTC compile and one loaded
+  module — compiles the unit with the runtime's compiler (NVRTC CUBIN for the
+  device's architecture; the host C++ compiler on cuda-sim) and returns a
+  `CudaExecutable` (`executable.py`) that launches the graph's kernels and
+  GEMMs in order. A graph the run pipeline derived for the driver (a group's
+  flat update, a flat clip, the gradient scaling: `derived`), or one in no
+  module, is lowered on its own, once. No graph is lowered twice.
 - arrays (`zeros`, `upload`, views) are device memory from a caching pool
   (`memory.py`), so the parameters, gradients and optimizer states live on
   the device for the whole run; uploads of up to `STAGING_BYTES` go through
   pinned staging buffers (`PinnedStaging`), so the host copies a batch while
   the device still runs what came before.
-- `stacking` chooses how many microbatches one `train_stacked` call runs.
+- `stacking` chooses among the stacking variants the compiler made (`stack-variants`) the largest
+  whose activations fit: each degree's graphs lowered together, largest degree first, until one fits.
 - `lowering_facts()` is what the lowering report says of the experiment's graphs: the lowering document
   (`passes/lowering_report.py`) of what this executor lowered, with the chosen `train stacked` row, and the
   device's facts; the layer above renders them (`sexpgpu.report.lowering_text`, as `explain` does).
@@ -28,25 +31,22 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ...diagnostics import SxError
-from ...dialects.core import Operation
+from ...dialects.core import Operation, Region
 from ...dialects.exp import graph_title
-from ...dialects.graph import graph_funcs
-from ...dialects.parser import parse_module
-from ...dialects.printer import print_module, print_op
+from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, UnitFacts
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
-from .lowering import compile_facts, compile_lowered, lower, module_source
+from .lowering import compile_module, lower, module_source
 from .memory import ActivationArena, CudaArray, DevicePool
-from .nvrtc import Cubin
 from .runtime import DeviceRuntime, DeviceScalars, KernelSource, LoadedModule, PinnedStaging
 from .selection import open_runtime
 
@@ -74,17 +74,19 @@ def capture_setting() -> bool:
 class LoweredModule:
     """A module after the CUDA lowering: its graphs by name, its facts, its kernels loaded on the device."""
 
-    def __init__(self, module: Operation, facts: UnitFacts, loaded: LoadedModule, cubin: Cubin | None) -> None:
+    def __init__(self, module: Operation, facts: UnitFacts, loaded: LoadedModule, binary: Any) -> None:
         self.module = module
         self.facts = facts
         self.loaded = loaded
-        #: NVRTC's CUBIN of the module's kernels (None on cuda-sim, which compiles the source with g++).
-        self.cubin = cubin
+        #: What the runtime's compiler made of the module's kernels (NVRTC's CUBIN; cuda-sim's shared object).
+        self.binary = binary
         self.graphs = {str(f.attributes["sym_name"]): f for f in graph_funcs(module)}
 
 
 class CudaExecutor(Executor):
     """Runs graphs on a CUDA device (or cuda-sim) through `DeviceRuntime`; see the module docstring."""
+
+    stacks_microbatches = True
 
     def __init__(self, device: str = "cuda", runtime: DeviceRuntime | None = None, capture: bool | None = None,
                  **runtime_options: Any) -> None:
@@ -119,21 +121,27 @@ class CudaExecutor(Executor):
             return ahead[1]
         name = str(func.attributes["sym_name"])
         module = _module_of(func)
-        lowered = self._lowered(module) if module is not None else None
+        lowered = self._lowered(module) if module is not None and not is_derived(func) else None
         if lowered is None or name not in lowered.graphs:
-            # Alone: the driver's own graphs, and update graphs the lowering merged into their group's.
-            lowered = self._lower(parse_module(print_op(func), f"<{name}>"), name)
+            # Alone: the graphs derived for the driver, and update graphs the lowering merged into their group's.
+            lowered = self._lower(_module_holding([func]), name)
+        return self._executable(func, lowered)
+
+    def _executable(self, func: Operation, lowered: LoweredModule) -> CudaExecutable:
         # The report's row of a driver's graph is that of the graph it stands for (a flat clip, a group's update).
         title = graph_title(func).removesuffix("/flat")
-        executable = CudaExecutable(self, GraphPlan(lowered.graphs[name]), lowered.loaded, title)
+        executable = CudaExecutable(self, GraphPlan(lowered.graphs[str(func.attributes["sym_name"])]), lowered.loaded,
+                                    title)
         self.executables.append(executable)
         return executable
 
     def _lowered(self, module: Operation) -> LoweredModule:
+        """The lowering of the experiment's graphs in `module` (those not derived for the driver), made once."""
         known = self._modules.get(id(module))
         if known is not None and known[0] is module:
             return known[1]
-        lowered = self._lower(parse_module(print_module(module), "<lowering>"), _module_name(module))
+        experiment = [op for op in module.body.ops if not (op.name == "graph.func" and is_derived(op))]
+        lowered = self._lower(_module_holding(experiment), _module_name(module))
         self._modules[id(module)] = (module, lowered)
         if self.experiment is None and any(op.name == "exp.run" for op in module.body.ops):
             self.experiment = lowered
@@ -142,11 +150,10 @@ class CudaExecutor(Executor):
     def _lower(self, module: Operation, name: str) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it) and load its kernels on the device."""
         unit = lower(CompilationUnit(module=module))
-        cubin = None
-        if self.runtime.device.driver != "cuda-sim":
-            cubin = compile_lowered(module, self.runtime.device.arch)
-        loaded = self.runtime.load_module(KernelSource(_identifier(name), module_source(module), cubin))
-        return LoweredModule(module, unit.facts, loaded, cubin)
+        identifier = _identifier(name)
+        binary = compile_module(self.runtime.compiler, module, identifier)
+        loaded = self.runtime.load_module(KernelSource(identifier, module_source(module), binary))
+        return LoweredModule(module, unit.facts, loaded, binary)
 
     def activations(self, executable: CudaExecutable):
         """The activation arena, large enough for every graph compiled so far."""
@@ -215,21 +222,26 @@ class CudaExecutor(Executor):
 
     # -- the run -----------------------------------------------------------------------------------
 
-    def stacking(self, microbatches: int, build: Callable[[int], Operation]) -> int:
-        """The largest divisor k of `microbatches` whose `train_stacked` graph (`build(k)`) has its
-        activations fit in the device memory left (besides the arrays allocated so far and a reserve)."""
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        """The largest divisor k of `microbatches` among the variants whose `train_stacked/<k>` graph has its
+        activations fit in the device memory left (besides the arrays allocated so far and a reserve). Each
+        degree tried has its graphs lowered together, once; those of the degree chosen are what `compile`
+        then returns for them."""
         candidates = [k for k in range(microbatches, 0, -1) if microbatches % k == 0]
         free, _ = self.runtime.memory_info()
         budget = free + self.pool.kept + self.arena.capacity - RESERVED_BYTES
         chosen = 1
         for k in candidates[:-1]:
-            func = build(k)
-            executable = self.compile(func)
-            assert isinstance(executable, CudaExecutable)
+            if k not in variants:
+                continue
+            stacked, *rest = variants[k]
+            lowered = self._lower(_module_holding([stacked, *rest]), f"train_stacked_{k}")
+            executable = self._executable(stacked, lowered)
             if executable.arena_need <= budget:
-                self._ahead[id(func)] = (func, executable)
-                module = _module_of(func)
-                self.stacked_lowering = self._lowered(module) if module is not None else None
+                self._ahead[id(stacked)] = (stacked, executable)
+                for func in rest:
+                    self._ahead[id(func)] = (func, self._executable(func, lowered))
+                self.stacked_lowering = lowered
                 chosen = k
                 break
             self.executables.remove(executable)
@@ -243,9 +255,7 @@ class CudaExecutor(Executor):
         if self.experiment is None:
             return None
         arch = self.runtime.device.arch
-        compiled = None
-        if self.experiment.cubin is not None:
-            compiled = compile_facts(self.experiment.module, self.experiment.cubin, arch)
+        compiled = self.runtime.compiler.compiled_facts(self.experiment.module, self.experiment.binary)
         document = lowering_document(self.experiment.module, self.experiment.facts, arch, self.device,
                                      compiled=compiled, launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
         if self.stacked_lowering is not None:
@@ -272,23 +282,26 @@ class CudaExecutor(Executor):
 def _add_stacked_rows(document: dict[str, Any], experiment: Operation, stacked: LoweredModule, arch: str,
                       device: str) -> None:
     """Put the `train stacked` row of the stacked graphs' lowering into the experiment's document, in its
-    kind's place. The row is that of `train_stacked` (`train_stacked_accumulating` launches the same
-    kernels, adding into the gradients so far), read from a copy holding the experiment's run."""
-    copy = parse_module(print_module(stacked.module), "<stacked>")
-    for func in graph_funcs(copy):
-        if func.attributes["sym_name"] != "train_stacked":
-            func.erase()
+    kind's place. The row is that of `train_stacked/<k>` (its accumulating twin launches the same
+    kernels, adding into the gradients so far), read from a module holding it and the experiment's run."""
+    kept = [op for op in stacked.module.body.ops if op.name != "graph.func" or op.attributes.get("accumulating") is not True]
     run = next(op for op in experiment.body.ops if op.name == "exp.run")
-    holder = parse_module(print_op(run), "<run>")
-    run_copy = next(op for op in holder.body.ops if op.name == "exp.run")
-    holder.body.detach(run_copy)
-    copy.body.append(run_copy)
-    rows = lowering_document(copy, stacked.facts, arch, device)["rows"]
+    rows = lowering_document(_module_holding([*kept, run]), stacked.facts, arch, device)["rows"]
     order = [row["name"] for row in document["rows"]]
     place = order.index("train accumulating") + 1 if "train accumulating" in order else 1
     document["rows"][place:place] = [row for row in rows if row["kind"] == "train_stacked"]
     largest = max(document["rows"], key=lambda row: row["arena_bytes"])
     document["memory"]["largest_arena"] = {"row": largest["name"], "bytes": largest["arena_bytes"]}
+
+
+def _module_holding(ops: Sequence[Operation]) -> Operation:
+    """A new `builtin.module` holding copies of `ops` (top-level ops of modules, in order): the lowering
+    rewrites what it lowers, and the compiled module stays as it was."""
+    module = Operation.create("builtin.module", regions=[Region.with_block()])
+    values: dict = {}
+    for op in ops:
+        module.body.append(op.clone(values))
+    return module
 
 
 def _module_of(func: Operation) -> Operation | None:

@@ -1,6 +1,8 @@
 """An experiment lowered for a CUDA device: the lowering pipeline, its kernels compiled by NVRTC, the report's document.
 
 - `lower(unit, stack)`: `stack{k=...}` (when k > 1) and `CUDA_LOWERING` on a unit after the training pipeline.
+- `NvrtcCompiler(arch)`: the GPU runtimes' `KernelCompiler`; `compile_module(compiler, module)` compiles a
+  lowered module's translation unit with any compiler, naming the kernel NVRTC rejects.
 - `compile_lowered(module, arch)`: the module's translation unit (`kern.source`: every distinct kernel of
   every graph once) compiled to CUBIN by NVRTC (`nvrtc.compile_cubin`, disk-cached by source). A kernel NVRTC
   rejects is a `KernelCompileError` (an internal error) naming the kernel whose function holds the first
@@ -13,8 +15,9 @@
   NVRTC, is not lowered again: its document is read from the lowering cache (`$SEXPGPU_CACHE/lowering`),
   so a warm `explain --device cuda` neither lowers nor runs NVRTC.
 
-The CUDA executor lowers and compiles with `lower` and `compile_lowered` (it needs the lowered module, not
-only its report) and builds its report with `passes.lowering_report.lowering_document`.
+The CUDA executor lowers with `lower` and compiles with its runtime's compiler through `compile_module` (it
+needs the lowered module, not only its report) and builds its report with
+`passes.lowering_report.lowering_document`.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from ...passes.lowering_report import (
 from ...passes.manager import CompilationUnit, run_pipeline
 from ...passes.pipelines import CUDA_LOWERING
 from ...version import __version__
+from . import target  # noqa: F401  (registers the `cuda` target and emit-cuda, which CUDA_LOWERING runs)
+from .compiler import KernelCompiler
 from .errors import KernelCompileError
 from .nvrtc import DEFAULT_OPTIONS, Cubin, cache_root, compile_cubin, nvrtc_toolchain, supported_archs
-from .sim.source import find_kernels
+from .source import find_kernels
 
 #: Registers of one streaming multiprocessor (every architecture from sm_80 to sm_90), allocated to a warp
 #: in units of 256 (8 a thread): a block needs all of its threads' at once.
@@ -80,17 +85,37 @@ def module_source(module: Operation) -> str:
     raise ValueError("the module has no kern.source: run the CUDA lowering (emit-cuda) first")
 
 
-def compile_lowered(module: Operation, arch: str, use_cache: bool = True) -> Cubin:
-    """The module's kernels compiled by NVRTC for `arch`; a rejection names its kernel and model path."""
+class NvrtcCompiler(KernelCompiler):
+    """NVRTC to CUBIN for `arch` (`nvrtc.compile_cubin`, disk-cached): the GPU drivers' compiler."""
+
+    def __init__(self, arch: str, use_cache: bool = True) -> None:
+        self.arch = arch
+        self.use_cache = use_cache
+
+    def compile(self, source: str, name: str) -> Cubin:
+        return compile_cubin(source, self.arch, DEFAULT_OPTIONS, name=name, use_cache=self.use_cache)
+
+    def compiled_facts(self, module: Operation, binary: Cubin) -> dict[str, Any]:
+        return compile_facts(module, binary, self.arch)
+
+
+def compile_module(compiler: KernelCompiler, module: Operation, name: str = "kernels") -> Any:
+    """The lowered module's translation unit compiled by `compiler`; a kernel NVRTC rejects is named with
+    its model path."""
     source = module_source(module)
     try:
-        return compile_cubin(source, arch, DEFAULT_OPTIONS, name="kernels", use_cache=use_cache)
+        return compiler.compile(source, name)
     except KernelCompileError as err:
         located = _rejected_kernel(module, source, err.log)
         if located is None:
             raise
         function, symbol, path = located
         raise KernelCompileError(f"{function} (@{symbol})", err.target, err.log, path or None) from None
+
+
+def compile_lowered(module: Operation, arch: str, use_cache: bool = True) -> Cubin:
+    """The module's kernels compiled by NVRTC for `arch`; a rejection names its kernel and model path."""
+    return compile_module(NvrtcCompiler(arch, use_cache), module)
 
 
 def _rejected_kernel(module: Operation, source: str, log: str) -> tuple[str, str, str] | None:
@@ -191,12 +216,14 @@ def _report_key(module: Operation, arch: str, stack: int | None, executor: str, 
 
 @functools.cache
 def code_identity() -> str:
-    """A hash of the sources that lower a module and build its document: the dialects, the passes (with the
-    CUDA they emit, and `lowering_report`) and this module. An edited checkout never reads a stale document."""
+    """A hash of the sources that lower a module and build its document: the dialects, the passes (with
+    `lowering_report`), the CUDA target and its renderer (with the CUDA they emit) and this module. An edited
+    checkout never reads a stale document."""
     from ... import dialects, passes
+    from . import render
 
-    files = [Path(__file__)]
-    for package in (dialects, passes):
+    files = [Path(__file__), Path(target.__file__)]
+    for package in (dialects, passes, render):
         for root in package.__path__:
             files += [p for p in Path(root).rglob("*") if p.suffix in (".py", ".cuh") and p.is_file()]
     digest = hashlib.sha256()

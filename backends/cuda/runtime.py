@@ -6,7 +6,7 @@ The CUDA executor sees a device only through `DeviceRuntime`:
     params = runtime.arena(1 << 30, "the persistent arena")  # one allocation, carved by offset
     w = params.allocate(host_w.nbytes, "model.w")          # a DeviceSpan, 256-byte aligned
     runtime.upload(w, host_w)                              # async on the runtime's stream
-    module = runtime.load_module(KernelSource("train", cuda_c, cubin))
+    module = runtime.load_module(KernelSource("train", cuda_c, runtime.compiler.compile(cuda_c, "train")))
     runtime.launch(module.function("fused_3"), grid=64, block=256, shared_bytes=0, args=(out, w, 4096))
     runtime.gemm(spec, a, b, d)                            # cuBLASLt on a GPU, numpy on cuda-sim
     with runtime.capture() as captured:                    # stream capture -> a replayable graph
@@ -16,8 +16,11 @@ The CUDA executor sees a device only through `DeviceRuntime`:
 The drivers: `driver_cuda.CudaRuntime` (cuda-python's driver API, the primary context),
 `driver_pycuda.PycudaRuntime` (PyCUDA's primary context; no capture) and `driver_sim.SimRuntime`
 (the simulated device of `sim/`: the same CUDA C compiled by g++, numpy GEMMs, capture recorded and
-replayed). What they share lives here: the arena's arithmetic, kernel-argument typing and packing,
-pinned staging of batches, device scalars updated inside a captured graph, and the errors.
+replayed). Each carries its `KernelCompiler` (`compiler`): NVRTC to CUBIN for the two GPU drivers
+(`lowering.NvrtcCompiler`), the host C++ compiler to a shared object for cuda-sim
+(`driver_sim.HostCompiler`); the CUDA C they compile is the same (`render/`). What the drivers
+share lives here: the arena's arithmetic, kernel-argument typing and packing, pinned staging of
+batches, device scalars updated inside a captured graph, and the errors.
 
 Every operation that touches device memory is ordered on a stream (`stream=None` is the runtime's
 own, `default_stream`); `download` and `synchronize` wait for it. Errors: a user's (`SxError`, exit
@@ -43,8 +46,9 @@ from attrs import define, field, frozen
 from ...byte_text import show_bytes
 from ...diagnostics import SxError
 from ..executor import OutOfDeviceMemory
-from .sim.device import bf16_bits
-from .sim.source import find_kernels
+from .bf16 import bf16_bits
+from .compiler import KernelCompiler
+from .source import find_kernels
 
 if TYPE_CHECKING:
     from .cublaslt import GemmSpec
@@ -226,27 +230,16 @@ class Arena:
 
 @frozen
 class KernelSource:
-    """A CUDA C translation unit to load, and its CUBIN when NVRTC already compiled it.
+    """A CUDA C translation unit to load, and what the runtime's compiler made of it.
 
-    The executor builds one per lowered module and never asks which device it has: `cuda` and
-    `pycuda` load `cubin` when it was compiled for the device's architecture and compile `source`
-    with NVRTC otherwise; `cuda-sim` compiles `source` with the host compiler. `cubin` is an
-    `nvrtc.Cubin` (anything with `image` and `arch`). `name` names the module in messages.
+    `binary` is the output of the loading runtime's `compiler` for `source` (an `nvrtc.Cubin` for the
+    GPU drivers, a host-compiled `sim.SimModule` for cuda-sim); None: the runtime has its compiler
+    make it when loading. `name` names the module in messages.
     """
 
     name: str
     source: str
-    cubin: Any = None
-
-
-def cubin_image(source: KernelSource, arch: str) -> bytes:
-    """The CUBIN of `source` for `arch`: the one it carries when compiled for `arch`, else NVRTC's."""
-    cubin = source.cubin
-    if cubin is None or cubin.arch != arch:
-        from .nvrtc import compile_cubin
-
-        cubin = compile_cubin(source.source, arch, name=source.name)
-    return cubin.image
+    binary: Any = None
 
 
 # --- kernel parameters and their packing --------------------------------------------------------------
@@ -433,6 +426,16 @@ def typed_arguments(kernel: Kernel, args: Sequence) -> list[int | float]:
     return [argument_value(kernel.name, i, p, a) for i, (p, a) in enumerate(zip(kernel.params, args))]
 
 
+def check_alignment(kernel: Kernel, args: Sequence, alignment: int, model_path: str | None = None) -> None:
+    """Every pointer argument must be `alignment`-byte aligned, as the kernel's vector accesses assume;
+    else `KernelLaunchError` naming the argument, before the device meets a misaligned access."""
+    for index, (param, value) in enumerate(zip(kernel.params, args)):
+        if param.kind == "pointer" and value is not None and operator.index(value) % alignment:
+            raise KernelLaunchError(kernel.name, f"argument {index + 1} ({param.declared} {param.name}) is "
+                                    f"{operator.index(value):#x}, not {alignment}-byte aligned as the kernel's "
+                                    "vector accesses assume", model_path)
+
+
 def pack_arguments(kernel: Kernel, args: Sequence) -> PackedArguments:
     """`args` typed by the kernel's parameters and packed for cuLaunchKernel."""
     return PackedArguments(kernel.params, typed_arguments(kernel, args))
@@ -526,10 +529,15 @@ class DeviceRuntime(ABC):
     """
 
     device: DeviceInfo
+    #: The compiler whose binaries this runtime loads.
+    compiler: KernelCompiler
     #: The stream `stream=None` means. A non-default stream on a GPU, so it can be captured.
     default_stream: Stream
     #: None where stream capture works; else why not, in words (for the lowering report).
     capture_unavailable: str | None = None
+    #: The model path of the launches being enqueued (the executor sets it), which an error about a
+    #: kernel's fault reported at a later call names.
+    launch_path: str | None = None
 
     def __init__(self) -> None:
         self._captures: dict[int, Capture] = {}
@@ -609,9 +617,13 @@ class DeviceRuntime(ABC):
 
     # code -----------------------------------------------------------------------------------------
 
+    def binary(self, source: KernelSource) -> Any:
+        """`source`'s binary: the one it carries, else its compiler's."""
+        return source.binary if source.binary is not None else self.compiler.compile(source.source, source.name)
+
     @abstractmethod
     def load_module(self, source: KernelSource) -> LoadedModule:
-        """Load a module (compiling `source.source` when the driver needs to); kernels by name."""
+        """Load a module (its `binary`, compiled when it carries none); kernels by name."""
 
     @abstractmethod
     def launch(self, kernel: Kernel, grid: Dim3, block: Dim3, shared_bytes: int = 0, args: Sequence = (),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from ...diagnostics import SxError
 from ...dialects.core import Operation
-from ...dialects.rewriting import clone_op
 from ...passes.lower_cpu import lower_func
 from .compiled_graph import CompiledGraph, GraphInputError, GraphResult, InputSpec
 from .dtypes import DtypePolicy
@@ -34,7 +33,7 @@ def compile_graph(func: Operation, float_mode: str = "native") -> CompiledGraph:
         raise ValueError(f"compile_graph needs a graph.func, got {func.name}")
     _check_shapes(func)
     policy = DtypePolicy(float_mode)
-    lowered = clone_op(func)
+    lowered = func.clone()
     lower_func(lowered, float_mode)
     return build_steps(lowered, policy)
 

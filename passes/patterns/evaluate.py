@@ -11,6 +11,13 @@ point is the math, in float64; precision is the kernel's business.
 Inputs are drawn by kind: rows with different scales and offsets (one with a
 tiny spread, so an epsilon's placement shows), per-row, column and whole
 values from a normal distribution, integer indices within the row.
+
+The *regime* trial (`evaluate_regimes`) draws the inputs a guard tells apart
+from the ordinary ones, where `maximum(var, eps)`, `maximum(logp, -30)` or
+`log(maximum(p, 1e-30))` stop being the identity: a row of zeros, rows of
+tiny and of huge scale, rows at and beyond every constant the region
+compares with, and integer indices equal to each integer constant it
+compares with (an ignored target).
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ Env = dict[Value, np.ndarray]
 
 def canonical_shape(kind: Kind, rows: int, cols: int) -> tuple[int, ...]:
     return {Kind.ROW: (rows, cols), Kind.PER_ROW: (rows, 1), Kind.COLUMN: (1, cols), Kind.WHOLE: ()}[kind]
+
+
+#: The regime trial's rows: a row of zeros, then rows of tiny and of huge scale (no shift: a guard, not
+#: cancellation, is what they are to show).
+REGIME_SCALES = (0.0, 1e-7, 1e-3, 1e2, 1e4)
+#: Ops whose constants a guard compares with.
+GUARD_OPS = frozenset({"graph.maximum", "graph.minimum", "graph.eq", "graph.ne", "graph.lt", "graph.le",
+                       "graph.gt", "graph.ge"})
 
 
 def sample_rows(region: Region, trial: int) -> int:
@@ -65,8 +80,62 @@ def evaluate(region: Region, rows: int, rng: np.random.Generator, given: Mapping
     for leaf in region.leaves:
         if leaf not in env:
             env[leaf] = draw(leaf, region.kind(leaf), rows, cols, rng)
+    return _run(region, env, rows)
+
+
+def guard_constants(region: Region) -> list[float]:
+    """The finite constants the region's maximums, minimums and comparisons compare with."""
+    found: dict[float, None] = {}
+    for op in region.ops:
+        if op.name in GUARD_OPS:
+            for operand in op.operands:
+                const = splat_value(operand.op)
+                if const is not None and math.isfinite(const):
+                    found.setdefault(float(const), None)
+    return list(found)
+
+
+def evaluate_regimes(region: Region, x: Value, targets: Value | None, rng: np.random.Generator) -> list[Env]:
+    """Every value of `region` on the regime trial (module docstring), with the family's input `x` held at rows
+    of zeros, of tiny and huge scale and at and beyond each compared constant, and its integer `targets` (if
+    any) at each integer constant; the other leaves drawn as usual. A single-row domain is evaluated once per
+    regime row (its sums over rows are of one row)."""
+    cols = region.domain.cols
+    constants = guard_constants(region)
+    # A row per constant c: elements at c, below and above it by its magnitude and more.
+    steps = np.array([-1.0, 0.0, 1.0])
+    regime_rows = [rng.standard_normal(cols) * scale for scale in REGIME_SCALES]
+    regime_rows += [c + (1.0 + abs(c)) * steps[np.arange(cols) % 3] for c in constants]
+    integers = [int(c) for c in constants if c == int(c)]
+    if region.domain.rows == 1:
+        return [_regime(region, x, targets, [row], integers[:1], rng) for row in regime_rows]
+    return [_regime(region, x, targets, regime_rows, integers, rng)]
+
+
+def _regime(region: Region, x: Value, targets: Value | None, regime_rows: list[np.ndarray], integers: list[int],
+            rng: np.random.Generator) -> Env:
+    rows, cols = len(regime_rows), region.domain.cols
+    env: Env = {x: np.array(regime_rows)}
+    if targets is not None:
+        env[targets] = rng.integers(0, cols, (rows, 1))
+        count = min(len(integers), rows)
+        env[targets][:count, 0] = integers[:count]
+    for leaf in region.leaves:
+        if leaf in env:
+            continue
+        kind = region.kind(leaf)
+        # Rows other than the input are drawn at the ordinary scales, repeated over the regime's rows.
+        env[leaf] = (draw(leaf, kind, len(ROW_SCALES), cols, rng)[np.arange(rows) % len(ROW_SCALES)]
+                     if kind is Kind.ROW else draw(leaf, kind, rows, cols, rng))
+    return _run(region, env, rows)
+
+
+def _run(region: Region, env: Env, rows: int) -> Env:
+    cols = region.domain.cols
     with np.errstate(all="ignore"):
         for op in region.ops:
+            if op.result in env:
+                continue  # held (the regime trial's input)
             classified = region.classes[op]
             args = []
             for operand, kind in zip(op.operands, classified.operand_kinds):

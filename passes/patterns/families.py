@@ -17,6 +17,17 @@ forward's values computed from the forward region's evaluation: the
 gradient `dy` is any other row value, and `dx` (and a norm's weight and bias
 gradients, column sums) must equal the family's formula of the forward's
 input and outputs.
+
+A forward binding must then hold on the regime trial too (`evaluate_regimes`:
+rows of zeros, of tiny and huge scale, values at every constant a guard
+compares with), where it is compared wherever the region's value is finite
+(the kernel may be steadier than the math as written, never different from
+it). There a guard that the random rows never reach — `rsqrt(maximum(var,
+eps))`, `maximum(logp, -30)`, `log(maximum(p, 1e-30))`, an ignored target —
+changes the region's value and not the formula's: every op of the slice must
+be accounted for by the formula, so the best such binding is kept as a
+*refused* match, whose kernel is never taken (`plans` reports it as fallen
+back, naming the guard), and its backward with it.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from attrs import define, field
 
 from ...dialects.core import Operation, Value
 from .domain import Kind, is_float, is_index, splat_value
-from .evaluate import Env, evaluate, sample_rows
+from .evaluate import Env, evaluate, evaluate_regimes, sample_rows
 from .regions import Region
 
 #: Relative tolerance of a match (float64 evaluation: equal math agrees to about 1e-14).
@@ -70,6 +81,11 @@ class Match:
     forms: list[str] = field(factory=list)
     #: The region evaluated on the trials' sample rows (for reading forms, and a backward's evaluation).
     trials: list[Env] = field(factory=list, repr=False)
+    #: Why the kernel cannot stand for the slice although the trials matched (a guard the formula lacks).
+    refusal: str | None = None
+    #: Larger families the region matched on the trials but not on the regimes, with why (a floored loss
+    #: taken as its log-softmax): `fell back` lines of their own.
+    declined: tuple[tuple[str, str], ...] = ()
 
     @property
     def kind(self) -> str:
@@ -347,17 +363,124 @@ def match_forward(region: Region) -> Match | None:
 
 def _match_forward(region: Region) -> Match | None:
     search = _Search(region, _trials(region))
-    best: Match | None = None
+    candidates: list[Match] = []
     for family, inputs, outputs, params in _forward_candidates(search):
         outputs = {role: values for role, values in outputs.items() if values}
         ops = search.slice([v for values in outputs.values() for v in values], set(inputs.values()) - {None})
         if not ops:
             continue
-        match = Match(family, "forward", region, {r: v for r, v in inputs.items() if v is not None}, outputs,
-                      params, ops, trials=search.trials)
-        if best is None or match.score > best.score:
-            best = match
+        candidates.append(Match(family, "forward", region, {r: v for r, v in inputs.items() if v is not None},
+                                outputs, params, ops, trials=search.trials))
+    if not candidates:
+        return None
+    # The largest slice that holds on the regimes (outputs a guard changes there dropped); failing all, the
+    # largest, refused.
+    candidates.sort(key=lambda m: -m.score)
+    refused: dict[str, str] = {}
+    for match in candidates:
+        regimes = evaluate_regimes(region, match.inputs["x"], match.inputs.get("targets"), np.random.default_rng(2000))
+        held = _held_on_regimes(search, match, regimes)
+        if held is not None:
+            held.declined = tuple((family, reason) for family, reason in refused.items() if family != held.family)
+            return held
+        refused.setdefault(match.family, _refusal(match, regimes))
+    best = candidates[0]
+    best.refusal = refused[best.family]
     return best
+
+
+def _held_on_regimes(search: _Search, match: Match, regimes: list[Env]) -> Match | None:
+    """`match` with only the output values that hold on the regime trial and that no guard changes there (an
+    output floored after the family, `maximum(softmax(x), 1e-9)`, is the family's value on random rows only);
+    None when a role keeps no value."""
+    outputs: dict[str, list[Value]] = {}
+    stops = set(match.inputs.values())
+    for role, values in match.outputs.items():
+        kept = [v for v in values if all(_value_holds(search, v, role, match, env, stops) for env in regimes)]
+        if not kept:
+            return None
+        outputs[role] = kept
+    if outputs == match.outputs:
+        return match
+    ops = search.slice([v for values in outputs.values() for v in values], stops)
+    if not ops:
+        return None
+    return Match(match.family, "forward", match.region, match.inputs, outputs, match.params, ops,
+                 trials=match.trials)
+
+
+def _value_holds(search: _Search, value: Value, role: str, match: Match, env: Env, stops: set[Value]) -> bool:
+    if not holds(env[value], formula_outputs(match, env)[role]):
+        return False
+    ops = search.slice([value], stops) or []
+    return not any(_changes(op, env) for op in ops)
+
+
+def formula_outputs(match: Match, env: Env) -> dict[str, np.ndarray]:
+    """What the family's formula gives for each output role of a forward `match`, from its inputs in `env`."""
+    x = np.asarray(env[match.inputs["x"]], dtype=np.float64)
+    family, params = match.family, match.params
+    if family == "softmax":
+        return {"y": softmax(x)}
+    if family == "log_softmax":
+        return {"y": log_softmax(x)}
+    weight = match.inputs.get("weight")
+    scale = 1.0 if weight is None else env[weight]
+    if family == "layernorm":
+        mean, rstd = moments(x, params["eps"])
+        bias = match.inputs.get("bias")
+        return {"y": (x - mean) * rstd * scale + (0.0 if bias is None else env[bias]), "mean": mean, "rstd": rstd}
+    if family == "rmsnorm":
+        rstd = rms(x, params["eps"])
+        return {"y": x * rstd * scale, "rstd": rstd}
+    lse = _lse(x)
+    losses = lse - picked(x, env[match.inputs["targets"]])
+    return {"losses": losses, "lse": lse, "loss": params.get("scale", 1.0) * losses.sum()}
+
+
+def holds(got: np.ndarray, want: np.ndarray) -> bool:
+    """`got` (the region's value) equals `want` (the formula's) wherever `got` is finite, within TOLERANCE of
+    each row's magnitude: where the math as written overflows, the kernel may be steadier."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.broadcast_to(np.asarray(want, dtype=np.float64), got.shape)
+    finite = np.isfinite(got)
+    if not np.all(np.isfinite(want[finite])):
+        return False
+    magnitude = np.where(finite, np.abs(want), 0.0)
+    scale = magnitude.max(axis=-1, keepdims=True) if got.ndim else magnitude
+    return bool(np.all(~finite | (np.abs(got - want) <= TOLERANCE * (np.abs(want) + scale) + 1e-300)))
+
+
+def _refusal(match: Match, regimes: list[Env]) -> str:
+    """Why `match`'s kernel cannot stand for its slice: the first guard of the slice the regimes reach."""
+    family = match.family.replace("_", "-")
+    guards = [op for op in match.slice if any(_changes(op, env) for env in regimes)]
+    if not guards:
+        return f"its math departs from the {family} formula on rows of zeros, of tiny or huge scale or at its constants"
+    return (f"{_describe(guards[0])} is not in the {family} formula (it changes the result on rows of zeros, "
+            "of tiny or huge scale or at its constants)")
+
+
+def _changes(op: Operation, env: Env) -> bool:
+    """Whether `op` is a guard that gives other values than the value it guards on `env`: an elementwise
+    maximum or minimum (no family's formula has one), or a `where` choosing between one value and a constant."""
+    if op.name in ("graph.maximum", "graph.minimum"):
+        guarded = [o for o in op.operands if splat_value(o.op) is None]
+    elif op.name == "graph.where":
+        guarded = [o for o in op.operands[1:] if splat_value(o.op) is None]
+        if len(guarded) != 1:
+            return False
+    else:
+        return False
+    return any(not np.array_equal(np.broadcast_to(env[o], np.shape(env[op.result])), env[op.result], equal_nan=True)
+               for o in guarded)
+
+
+def _describe(op: Operation) -> str:
+    constants = [c for c in (splat_value(o.op) for o in op.operands) if c is not None]
+    what = op.name.removeprefix("graph.") + (f" with {constants[0]:g}" if constants else "")
+    where = f" at {op.loc.short()}" if op.loc is not None else ""
+    return f"the guard `{what}`{where}"
 
 
 def _forward_candidates(search: _Search) -> Iterator[tuple[str, dict, dict, dict]]:
@@ -436,7 +559,8 @@ def _match_backward(region: Region, forward: Match) -> Match | None:
         if not ops:
             continue
         match = Match(family, "backward", region, inputs, outputs, params, ops, forward=forward, stats=stats,
-                      accumulate=accumulate, trials=search.trials)
+                      accumulate=accumulate, trials=search.trials, refusal=forward.refusal and
+                      f"its forward fell back: {forward.refusal}")
         if best is None or match.score > best.score:
             best = match
     return best

@@ -35,6 +35,8 @@ class Recipe:
     stats: tuple[str, ...]
     accumulate: Ref | None
     forms: tuple[str, ...]
+    refusal: str | None
+    declined: tuple[tuple[str, str], ...]
 
     @classmethod
     def of(cls, match: Match) -> Recipe:
@@ -43,14 +45,16 @@ class Recipe:
         return cls(match.family, match.direction, {r: refs[v] for r, v in match.inputs.items()},
                    {r: [refs[v] for v in values] for r, values in match.outputs.items()}, dict(match.params),
                    tuple(index[op] for op in match.slice), match.stats,
-                   refs[match.accumulate] if match.accumulate is not None else None, tuple(match.forms))
+                   refs[match.accumulate] if match.accumulate is not None else None, tuple(match.forms),
+                   match.refusal, match.declined)
 
     def apply(self, region: Region, forward: Match | None) -> Match:
         return Match(self.family, self.direction, region, {r: region.at(ref) for r, ref in self.inputs.items()},
                      {r: [region.at(ref) for ref in refs] for r, refs in self.outputs.items()}, dict(self.params),
                      [region.ops[i] for i in self.slice], forward=forward, stats=self.stats,
                      accumulate=region.at(self.accumulate) if self.accumulate is not None else None,
-                     forms=list(self.forms))
+                     forms=list(self.forms), refusal=self.refusal,
+                     declined=self.declined)
 
 
 @define(eq=False)

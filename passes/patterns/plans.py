@@ -14,8 +14,9 @@ whose dx is a layernorm backward's dy grows into one region with it).
 A match is taken when its kernel can stand for its slice:
 
 - its rows are along the last axis, its operands' dtypes are ones the
-  templates store (f32 or bf16, integer targets i32 or i64), its row count
-  fits a launch;
+  target's templates store (`KernelTarget.float_storage`, `index_storage`;
+  on CUDA f32 or bf16, integer targets i32 or i64), its row count fits a
+  launch;
 - no emit (`graph.observe`, `graph.metric`) reads a value inside the slice
   other than one the kernel writes;
 - every other value of the slice read outside it is one the kernel writes,
@@ -42,7 +43,7 @@ from attrs import define, field
 from ...diagnostics import Location
 from ...dialects.core import REGISTRY, Block, Operation, Value
 from ...dialects.traits import Trait, has_trait
-from ..emit_cuda.pattern_kernels import FLOAT_STORAGE, INDEX_STORAGE, PatternKernel
+from ..targets import KernelTarget, PatternKernel
 from .domain import OpClass, is_float_cast, seed_domain, splat_value
 from .families import Match
 from .memo import MatchCache
@@ -177,12 +178,12 @@ class Plan:
         return PatternKernel("row", match.family, cols, self.options)
 
 
-def plan_matches(block: Block, matches: list[Match]) -> list[Plan]:
-    """A plan per match, taken or fallen back with its reason (see the module docstring)."""
+def plan_matches(block: Block, matches: list[Match], target: KernelTarget) -> list[Plan]:
+    """A plan per match for `target`, taken or fallen back with its reason (see the module docstring)."""
     plans = [Plan(m, region_path(m), _loc(m)) for m in matches]
     by_match = {plan.match: plan for plan in plans}
     for plan in plans:
-        plan.reason = _static_reason(plan.match)
+        plan.reason = _static_reason(plan.match, target)
     while True:
         removed = {op for plan in plans if plan.taken for op in plan.match.slice}
         doomed = _doomed(block, removed)
@@ -225,15 +226,17 @@ def _loc(match: Match) -> Location | None:
     return next((op.loc for op in match.slice if op.loc is not None), None)
 
 
-def _static_reason(match: Match) -> str | None:
+def _static_reason(match: Match, target: KernelTarget) -> str | None:
+    if match.refusal is not None:
+        return match.refusal
     domain = match.region.domain
     if not domain.is_last_axis:
         return f"rows along axis {domain.axis} of {domain.rank}, not the last"
     if domain.rows > MAX_ROWS:
         return f"{domain.rows} rows, more than a launch's 32-bit row count"
     for role, value in _graph_operands(match):
-        dtype = storage(value).type.dtype
-        allowed = INDEX_STORAGE if role == "targets" else FLOAT_STORAGE
+        dtype = storage(value, target).type.dtype
+        allowed = target.index_storage if role == "targets" else target.float_storage
         if dtype not in allowed:
             return f"dtype {dtype} of its {role} is not taken ({' or '.join(allowed)})"
     return None
@@ -246,10 +249,11 @@ def _graph_operands(match: Match) -> Iterable[tuple[str, Value]]:
         yield role, values[0]
 
 
-def storage(value: Value) -> Value:
-    """A kernel reads a row input across a float cast from its source (insert-casts' boundary)."""
+def storage(value: Value, target: KernelTarget) -> Value:
+    """A kernel reads a row input across a float cast from its source (insert-casts' boundary) when the
+    target stores the source's dtype."""
     op = value.op
-    if op is not None and is_float_cast(op) and op.operands[0].type.dtype in FLOAT_STORAGE:
+    if op is not None and is_float_cast(op) and op.operands[0].type.dtype in target.float_storage:
         return op.operands[0]
     return value
 

@@ -176,7 +176,7 @@ def test_synthetic_tokens_train_without_a_file(tmp_path):
     """A branch-2 Markov chain is learnable far below the 256-way uniform loss (5.5 nats)."""
     example = tmp_path / "synthetic.sx"
     example.write_text(EXAMPLE.read_text().replace(
-        '(token-file "data/train.u16")', "(synthetic-tokens :vocab 256 :count 50000 :seed 3 :branch 2)"))
+        '(token-file "data/train.u16" :tokenizer bytes)', "(synthetic-tokens :vocab 256 :count 50000 :seed 3 :branch 2)"))
     shutil.copytree(ROOT / "examples" / "data", tmp_path / "data")
     run_cli("run", str(example), *SMALL, "--set", "steps=60", "--set", "lr=0.01", "--out", str(tmp_path / "out"))
     losses = step_losses(tmp_path / "out")

@@ -12,13 +12,18 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
+import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from sexpgpu.dialects.core import TensorType
 from sexpgpu.frontend import limits, tracer
+from sexpgpu.frontend.calls import Builtin, invoke
 from sexpgpu.frontend.data import Keyword, SxList, SxVector, Symbol
-from sexpgpu.frontend.evaluator import Builtin, Evaluator, invoke, run_deep
+from sexpgpu.frontend.deep import run_deep
+from sexpgpu.frontend.evaluator import Evaluator
 from sexpgpu.frontend.printing import show
 from sexpgpu.frontend.reader import read_text
 from sexpgpu.frontend.tracer import Trace, tracing
@@ -229,23 +234,95 @@ def test_reading_a_one_megabyte_string_takes_megabytes():
 # -- the evaluation thread -----------------------------------------------------------------------
 
 
-_ENDLESS = "(defn f (n) (if (> n 0) (do (f (- n 1)) (f (- n 1))) 0))\n(f 100)\n"
+#: Forms that print a line each as they finish, then a recursion 2,000 calls deep (about 8,000
+#: Python frames) that computes for ever at the bottom.
+_INTERRUPTED = """(defn spin (n) (if (> n 0) (do (spin (- n 1)) (spin (- n 1))) 0))
+(defn deep (n) (if (> n 0) (+ 1 (deep (- n 1))) (spin 100)))
+(def a (spin 8))
+(def b (spin 8))
+(deep 2000)
+"""
+#: Lines `eval` prints before the endless form.
+_LINES_BEFORE_DEEP = 4
+
+
 def _sexpgpu(*args):
     return [sys.executable, "-m", "sexpgpu.tools.main", *args]
 
 
-def test_ctrl_c_interrupts_a_long_evaluation(tmp_path):
-    path = tmp_path / "endless.sx"
-    path.write_text(_ENDLESS)
-    proc = subprocess.Popen(_sexpgpu("eval", str(path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupt(path, point, rng):
+    """Run `eval` of `path`, send SIGINT at `point`, and return (status, stderr) once it ends."""
+    # Python ignores SIGINT where it was ignored when it started (as in a background job): reset it.
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", *_sexpgpu("eval", str(path))[1:]], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
-        # Interrupt once the evaluation has started (it prints the definition first).
-        assert proc.stdout.readline().startswith("f = #<function f>")
+        if point == "starting":
+            # The language is imported once the command runs (`-X importtime` says when): then the
+            # file is read, the evaluation thread starts and the first form runs, in the next moment.
+            line = "-"
+            while line and "sexpgpu.frontend" not in line:
+                line = proc.stderr.readline()
+            time.sleep(rng.uniform(0, 0.5))
+        else:
+            lines = _LINES_BEFORE_DEEP if point == "deep" else point
+            for _ in range(lines):
+                assert proc.stdout.readline()
+            if point == "deep":
+                time.sleep(rng.uniform(0.05, 0.5))
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)  # a hang fails here, not a slow machine
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, (proc.returncode, err)
+    return proc.returncode, "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+
+
+def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
+    """In process, with Python's own SIGINT handler: the interrupt stops the evaluation thread 3,000
+    frames deep, and the caller gets it only once the thread has unwound, under its own recursion
+    limit (lowering the process's limit under a deep thread can abort the process)."""
+    deep = threading.Event()
+    unwound = []
+
+    def down(n):
+        if n == 0:
+            deep.set()
+            while True:
+                pass
+        return down(n - 1) + 1
+
+    def body():
+        try:
+            return down(3000)
+        finally:
+            unwound.append(sys.getrecursionlimit())
+
+    def interrupt_when_deep():
+        assert deep.wait(60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    limit = sys.getrecursionlimit()
+    threading.Thread(target=interrupt_when_deep, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_deep(body)
+    assert unwound and unwound[0] > limit and sys.getrecursionlimit() == limit, (unwound, limit)
+
+
+def test_ctrl_c_at_any_point_of_a_run_ends_it_interrupted_under_load(tmp_path):
+    """Ctrl-C before the first form, between forms and deep in a recursion, with a busy process
+    beside: every time exit 130, "interrupted", no traceback, no abort."""
+    path = tmp_path / "endless.sx"
+    path.write_text(_INTERRUPTED)
+    points = [(point, random.Random(f"{point}-{n}")) for n in range(2) for point in ["starting", 1, 2, 3, "deep"]]
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with ThreadPoolExecutor(3) as pool:  # three commands at a time: the load is theirs too
+            outcomes = list(pool.map(lambda p: (p[0], *_interrupt(path, *p)), points))
+    finally:
+        busy.kill()
+    wrong = [o for o in outcomes if o[1] != 130 or o[2].strip() != "interrupted"]
+    assert not wrong, wrong
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")

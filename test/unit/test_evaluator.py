@@ -5,19 +5,11 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sexpgpu.frontend import evaluator as ev_mod
+from sexpgpu.frontend import calls
+from sexpgpu.frontend.analysis import SPECIAL_FORMS, register_special_form
+from sexpgpu.frontend.calls import BUILTINS, call_trail, register_builtin, user_location
 from sexpgpu.frontend.data import TENSOR_OPS, Symbol, TensorLike
-from sexpgpu.frontend.evaluator import (
-    BUILTINS,
-    SPECIAL_FORMS,
-    Defined,
-    Evaluator,
-    call_trail,
-    eval_file_lines,
-    register_builtin,
-    register_special_form,
-    user_location,
-)
+from sexpgpu.frontend.evaluator import Defined, Evaluator, eval_file_lines
 from sexpgpu.frontend.printing import show
 
 from sexpgpu.diagnostics import SxError
@@ -156,7 +148,7 @@ def test_tensor_dispatch_and_user_location(tmp_path):
             del TENSOR_OPS["+"]
         else:
             TENSOR_OPS["+"] = previous
-        ev_mod.LIBRARY_FILES.difference_update({str(lib), os.path.abspath(lib)})
+        calls.LIBRARY_FILES.difference_update({str(lib), os.path.abspath(lib)})
 
 
 def test_dtype_names_evaluate_to_themselves():

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import sexpgpu.backends.executor as executor_registry
-import sexpgpu.backends.training as training
+from _plans import training_plan
 from attrs import define
 from sexpgpu.backends.devices import open_device, require_available
 from sexpgpu.backends.executor import (
@@ -24,7 +24,7 @@ from sexpgpu.backends.executor import (
     unavailable_reason,
 )
 from sexpgpu.backends.interpreter import InterpreterExecutor
-from sexpgpu.backends.training import Trainer, TrainingPlan
+from sexpgpu.backends.training import Trainer
 from sexpgpu.dialects.core import Operation
 
 from sexpgpu.diagnostics import SxError, UsageError
@@ -197,14 +197,12 @@ def _losses(record: Path) -> list[tuple[str, Any, Any]]:
 
 @pytest.mark.parametrize(("sets", "flat"), [(["microbatches=2"], True), (["precision=bf16"], True),
                                            (["microbatches=2"], False)])
-def test_the_driver_trains_bit_identically_on_an_executor_of_boxed_arrays(tmp_path, monkeypatch, sets, flat):
+def test_the_driver_trains_bit_identically_on_an_executor_of_boxed_arrays(tmp_path, sets, flat):
     """tiny-gpt: one group, updated and clipped over flat arrays (or, not flat, parameter by
     parameter), with 2 microbatches the gradient scaling; an evaluation, a diagnostic, checkpoints;
     then a resume from step 2 on the boxed executor."""
-    if not flat:
-        monkeypatch.setattr(training, "flat_update_graph", lambda *args: None)
-    plan = TrainingPlan.compile(TINY, "smoke", [*sets, "steps=4", "eval-every=2", "diagnose-every=2",
-                                                "checkpoint-every=2"])
+    plan = training_plan(TINY, "smoke", [*sets, "steps=4", "eval-every=2", "diagnose-every=2", "checkpoint-every=2"],
+                         flat)
     boxed = BoxedExecutor()
     on_cpu = Trainer(plan, tmp_path / "cpu", None, reporter_stream=io.StringIO())
     on_boxes = Trainer(plan, tmp_path / "boxed", None, reporter_stream=io.StringIO(), executor=boxed)

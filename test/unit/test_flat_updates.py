@@ -5,23 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import sexpgpu.backends.training as training
-from sexpgpu.backends.flat_updates import flat_update_graph
+from _plans import training_plan
+from sexpgpu.passes.flat_updates import flat_update_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def trainer(flat: bool, monkeypatch: pytest.MonkeyPatch, example: str = "tiny-gpt.sx") -> training.Trainer:
-    plan = training.TrainingPlan.compile(str(ROOT / "examples" / example), "smoke", [])
-    with monkeypatch.context() as patch:
-        if not flat:
-            patch.setattr(training, "flat_update_graph", lambda *args: None)
-        return training.Trainer(plan, Path("/nonexistent-record"), None)
+def trainer(flat: bool, example: str = "tiny-gpt.sx") -> training.Trainer:
+    plan = training_plan(str(ROOT / "examples" / example), "smoke", [], flat)
+    return training.Trainer(plan, Path("/nonexistent-record"), None)
 
 
-def test_flat_group_updates_and_clip_are_bit_identical_to_per_parameter_graphs(monkeypatch):
-    flat, single = trainer(True, monkeypatch), trainer(False, monkeypatch)
+def test_flat_group_updates_and_clip_are_bit_identical_to_per_parameter_graphs():
+    flat, single = trainer(True), trainer(False)
     assert len(flat.flat_groups) == 1 and not single.flat_groups
     assert flat.clips and all(np.shares_memory(flat.params[p], flat.flat_params) for p in flat.params)
     for step in range(1, 5):
@@ -32,10 +29,10 @@ def test_flat_group_updates_and_clip_are_bit_identical_to_per_parameter_graphs(m
         assert np.array_equal(flat.states[name], value), name
 
 
-def test_microbatch_scaling_of_a_flat_group_and_a_lone_parameter_is_bit_identical(monkeypatch):
+def test_microbatch_scaling_of_a_flat_group_and_a_lone_parameter_is_bit_identical():
     """gpt.sx smoke: 4 microbatches (the summed gradients scaled by 1/4 over the flat array), a flat
     group and a one-member group (the embedding, updated and scaled on its own)."""
-    flat, single = trainer(True, monkeypatch, "gpt.sx"), trainer(False, monkeypatch, "gpt.sx")
+    flat, single = trainer(True, "gpt.sx"), trainer(False, "gpt.sx")
     assert flat.plan.microbatches == 4 and len(flat.flat_groups) == 1 and "model.embed.table" not in flat.flat_bounds
     for step in range(1, 4):
         assert flat.train_step(step)[0] == single.train_step(step)[0]

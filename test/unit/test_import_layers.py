@@ -1,12 +1,16 @@
 """The package's imports follow its layers and form no cycle.
 
-Layers, lowest first: `base` (diagnostics, version, float text) ← `dialects`
+Layers, lowest first: `base` (diagnostics, version, float text, where a Ctrl-C goes) ← `dialects`
 ← `frontend` (which feeds the dialects) ← `passes` ← `backends` ← `top` (the
 Python API and the tools). A module may import its own layer and the layers
 its layer lists below; a backend never imports the frontend. Every import
 counts, those inside functions too (they run as surely as the others); only
 imports under `if TYPE_CHECKING:` are left out. A failure names both files.
 
+One home per target: the CUDA renderer is `backends/cuda/render/` (no
+`passes/emit_cuda/`); no pass reaches a backend, even through another module
+(the passes ask a registered kernel target, `passes/targets.py`); the GPU
+runtime (runtime, lowering, the drivers, NVRTC) never reaches `sim/`.
 Beside the layers, `NEVERS` lists imports the layers allow but the design
 does not, each with its reason; a failure names the never it breaks.
 """
@@ -36,6 +40,7 @@ LAYER_OF = {
     "sexpgpu.diagnostics": "base",
     "sexpgpu.float_text": "base",
     "sexpgpu.byte_text": "base",
+    "sexpgpu.interruption": "base",
     "sexpgpu.dialects": "dialects",
     "sexpgpu.frontend": "frontend",
     "sexpgpu.passes": "passes",
@@ -243,3 +248,48 @@ def test_the_checker_sees_a_violation_and_a_cycle() -> None:
         [("sexpgpu.backends.executor", "sexpgpu.report.lowering_text", 31)]]
     assert [imports for never, imports in broken.items() if never.startswith("nothing below the top")] == [
         [("sexpgpu.backends.training", "sexpgpu.devices", 58)]]
+
+
+# -- one home per target -------------------------------------------------------------------------
+
+#: The CUDA target's modules that run on a GPU; none may reach the simulator, even through another module.
+REAL_CUDA_RUNTIME = ("sexpgpu.backends.cuda.runtime", "sexpgpu.backends.cuda.lowering", "sexpgpu.backends.cuda.driver_cuda",
+                     "sexpgpu.backends.cuda.driver_pycuda", "sexpgpu.backends.cuda.nvrtc", "sexpgpu.backends.cuda.compiler")
+
+
+def reachable(graph: dict[str, list[tuple[str, int]]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    work = [start]
+    while work:
+        for target, _ in graph[work.pop()]:
+            if target not in seen:
+                seen.add(target)
+                work.append(target)
+    return seen
+
+
+def test_the_cuda_renderer_lives_in_its_backend() -> None:
+    assert not (ROOT / "passes" / "emit_cuda").exists(), "passes/emit_cuda/ is back: the renderer is backends/cuda/render/"
+    assert (ROOT / "backends" / "cuda" / "render" / "prelude.cuh").is_file()
+    assert not list((ROOT / "backends" / "cuda" / "sim").glob("*.cuh")), "the source both compilers read is render/'s"
+
+
+def test_passes_never_import_the_cuda_renderer() -> None:
+    modules, graph = import_graph()
+    wrong = [f"{modules[m].relative_to(ROOT)} reaches {t}" for m in graph if layer(m) == "passes"
+             for t in reachable(graph, m) if t.startswith("sexpgpu.backends.")]
+    assert not wrong, "a pass imports a backend (ask the kernel target, passes/targets.py):\n" + "\n".join(wrong)
+
+
+def test_the_real_cuda_runtime_never_imports_the_simulator() -> None:
+    modules, graph = import_graph()
+    wrong = [f"{modules[m].relative_to(ROOT)} reaches {t}" for m in REAL_CUDA_RUNTIME
+             for t in reachable(graph, m) if t == "sexpgpu.backends.cuda.sim" or t.startswith("sexpgpu.backends.cuda.sim.")]
+    assert not wrong, "the GPU runtime imports cuda-sim:\n" + "\n".join(wrong)
+
+
+def test_the_nevers_see_a_violation() -> None:
+    graph = {"sexpgpu.backends.cuda.runtime": [("sexpgpu.backends.cuda.bf16", 3)],
+             "sexpgpu.backends.cuda.bf16": [("sexpgpu.backends.cuda.sim.device", 5)], "sexpgpu.backends.cuda.sim.device": []}
+    assert "sexpgpu.backends.cuda.sim.device" in reachable(graph, "sexpgpu.backends.cuda.runtime")

@@ -2,7 +2,7 @@
 
 import pytest
 import sexpgpu.dialects  # noqa: F401  (registers every op)
-from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, VerifyError
+from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value, VerifyError
 from sexpgpu.dialects.graph import ShapeError
 
 from sexpgpu.diagnostics import Location
@@ -126,3 +126,62 @@ def test_walk_is_preorder():
     func, b, x = make_func()
     b.create("graph.exp", [x])
     assert [op.name for op in func.walk()] == ["graph.func", "graph.input", "graph.exp"]
+
+
+def _module_holding(func: Operation) -> Operation:
+    module = Operation.create("builtin.module", regions=[Region.with_block()])
+    module.body.append(func)
+    return module
+
+
+def test_clone_copies_nested_regions_and_maps_values_inside_the_copy():
+    from sexpgpu.dialects.printer import print_op
+
+    func, b, x = make_func()
+    doubled = b.value("graph.add", x, x)
+    b.create("graph.return", [doubled], {"names": ["y"]})
+    module = _module_holding(func)
+    copy = module.clone()
+    assert print_op(copy) == print_op(module)
+    (func_copy,) = copy.body.ops
+    assert func_copy is not func and func_copy.parent is copy.body and copy.parent is None
+    x_copy, add_copy, ret_copy = func_copy.body.ops
+    assert add_copy.operands == [x_copy.result, x_copy.result]  # inside the copy, the copy's values
+    assert ret_copy.operands[0] is add_copy.result
+    assert len(x.uses) == 2 and len(x_copy.result.uses) == 2  # the original's uses are untouched
+
+
+def test_clone_maps_operands_through_the_value_map_and_records_each_copy():
+    func, b, x = make_func()
+    y = b.create("graph.input", attributes={"name": "y", "role": "batch"}, result_types=[F4]).result
+    add = b.create("graph.add", [x, y])
+    other = Value(F4)
+    values = {x: other}
+    copy = add.clone(values)
+    assert copy.operands == [other, y]  # mapped, and kept where absent
+    assert values[add.result] is copy.result
+    assert copy.parent is None and add.parent is func.body
+
+
+def test_clone_keeps_locations_and_name_hints():
+    loc = Location("model.sx", 3, 7)
+    func, b, x = make_func()
+    x.name_hint = "tokens"
+    x.op.loc = loc
+    x.op.text_loc = Location("model.sxir", 2, 1)
+    copy = func.clone()
+    x_copy = copy.body.first_op
+    assert x_copy.loc == loc and x_copy.text_loc == Location("model.sxir", 2, 1)
+    assert x_copy.result.name_hint == "tokens"
+
+
+def test_clone_copies_mutable_attributes_and_shares_immutable_ones():
+    func, b, x = make_func()
+    op = b.create("graph.sum", [x], {"axes": [0], "keep": False, "extra": {"members": [{"path": "a"}]}})
+    copy = op.clone()
+    assert copy.attributes == op.attributes
+    copy.attributes["axes"].append(1)
+    copy.attributes["extra"]["members"][0]["path"] = "b"
+    copy.attributes["keep"] = True
+    assert op.attributes == {"axes": [0], "keep": False, "extra": {"members": [{"path": "a"}]}}
+    assert copy.results[0].type is op.results[0].type  # types are immutable: shared

@@ -4,7 +4,7 @@ Each case compiles a small training step twice: as autodiff leaves it (the
 reference, run by the interpreter) and through match-patterns. The lowered
 step runs op by op: its graph ops with the interpreter's kernels, each
 `kern.launch` on cuda-sim through the program its `kern.kernel` names
-(`passes/emit_cuda/pattern_kernels.py`), so every replaced region's kernel
+(`backends/cuda/render/pattern_kernels.py`), so every replaced region's kernel
 reads what the graph computed before it and the graph reads what it wrote.
 The loss, every gradient and every emitted value (the attention's observed
 probabilities, a kernel's output) must agree with the reference:
@@ -24,6 +24,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
+from sexpgpu.backends.cuda.render.pattern_kernels import kernel_program, step_binding
+from sexpgpu.backends.cuda.render.prelude import translation_unit
 from sexpgpu.backends.cuda.sim import SimDevice
 from sexpgpu.backends.interpreter.compiler import compile_graph
 from sexpgpu.backends.interpreter.dtypes import DtypePolicy
@@ -31,8 +33,6 @@ from sexpgpu.backends.interpreter.kernels import kernel_for
 from sexpgpu.dialects.core import Operation
 from sexpgpu.dialects.graph import emit_collection, emit_name, input_name, return_names
 from sexpgpu.dialects.kern import find_kernel
-from sexpgpu.passes.emit_cuda.pattern_kernels import kernel_program, step_binding
-from sexpgpu.passes.emit_cuda.prelude import translation_unit
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 
 GRAPHS = "evaluate,autodiff,insert-casts,canonicalize,cse,dce"

@@ -13,7 +13,6 @@ from sexpgpu.dialects.rewriting import (
     PatternRewriter,
     PatternRule,
     apply_patterns_greedily,
-    clone_op,
 )
 
 
@@ -162,7 +161,7 @@ def test_move_into_region_and_clone():
         rewriter.move_op_into(op_named(func, "s"), func.regions[0], before=moved)
 
     original = print_op(holder)
-    copy = clone_op(holder)
+    copy = holder.clone()
     assert print_op(copy) == original
     copied_ops = list(copy.body.ops)
     assert all(a is not b for a, b in zip(copied_ops, holder.body.ops))

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from attrs import field, frozen
 
+from ..source import KernelDecl, extern_shared_names, find_kernels
 from .errors import CompileError, SimError
-from .source import KernelDecl, extern_shared_names, find_kernels
 
 HEADER_PATH = Path(__file__).with_name("cuda_sim.h")
 #: Headers a CUDA source may include that the emulation header already stands for.

@@ -18,15 +18,14 @@ same memory and raises ScheduleMismatch when the results differ.
 from __future__ import annotations
 
 import ctypes
-import math
 import operator
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
+from ..bf16 import bf16_bits
 from .compiler import SimKernel, SimModule, compile_module
 from .errors import KernelFault, LaunchError, ScheduleMismatch
 from .memory import DeviceBuffer, DeviceMemory, FiberStacks
@@ -74,13 +73,6 @@ class _LaunchRequest(ctypes.Structure):
         ("buffers", ctypes.c_void_p),
         ("buffer_count", ctypes.c_uint64),
     ]
-
-
-def bf16_bits(value: float) -> int:
-    """`value` as CUDA's __float2bfloat16 rounds it: to nearest even, every NaN to 0x7fff."""
-    if math.isnan(value):
-        return 0x7FFF
-    return int(np.array(value, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 Dim3 = int | Sequence[int]

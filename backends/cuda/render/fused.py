@@ -28,8 +28,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ...dialects.core import Operation, TensorType, Value
-from ...dialects.index_maps import Expr
+from ....dialects.core import Operation, TensorType, Value
+from ....dialects.index_maps import Expr
 from .kernel_source import (
     KernelParam,
     KernelSource,
@@ -203,8 +203,14 @@ class FusedKernel:
             guard = index_code(Expr.from_attribute(self.domain, guard_attribute))
             checks.append(f"((unsigned long long)({guard}) < {size}ULL)")
         if lanes > 1:
+            # Packed accesses never read through guards, and every lane gathers from the same row
+            # (`launches.vector_width`), so one check covers the access.
             w.line(f"float a{k}[{lanes}];", depth)
-            w.line(f"sx_ld_vec(a{k}, in{k} + ({offset}));", depth)
+            if checks:
+                w.line(f"if ({' && '.join(checks)}) sx_ld_vec(a{k}, in{k} + ({offset}));", depth)
+                w.line(f"else for (int lane = 0; lane < {lanes}; ++lane) a{k}[lane] = SX_NAN;", depth)
+            else:
+                w.line(f"sx_ld_vec(a{k}, in{k} + ({offset}));", depth)
             return
         read = f"sx_ld(in{k} + ({offset}))" if t.dtype in _FLOAT else f"in{k}[{offset}]"
         if not checks:

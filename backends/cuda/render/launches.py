@@ -1,8 +1,9 @@
 """How each kernel `fuse` makes is launched: the shape a generated kernel runs in, and the template
 program behind each template kind.
 
-`fuse` asks here for every kernel's `grid`, `block` and `shared` when it
-creates the kernel, and `emit-cuda` writes the code for the same plan, so the
+`fuse` asks here, through the CUDA target (`backends/cuda/target.py`), for
+every kernel's `grid`, `block` and `shared` when it creates the kernel, and
+`emit-cuda` writes the code for the same plan, so the
 launch shape a kernel carries is always the one its code was written for.
 
 Generated kernels (`pointwise`, `multi_tensor_update`, `reduction`):
@@ -26,10 +27,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attrs import frozen
-
-from ...dialects.core import DTYPE_BYTES, TensorType
-from ...dialects.index_maps import Expr
+from ....dialects.core import DTYPE_BYTES, TensorType
+from ....dialects.index_maps import Expr
+from ....passes.targets import LaunchPlan
 from . import templates
 from .kernel_source import KernelProgram
 
@@ -42,21 +42,6 @@ COLUMN_LANES = 32
 COLUMN_PARTS = 16
 #: Dtypes a generated kernel stores packed (others are read and written one element at a time).
 PACKED_DTYPES = ("f32", "bf16")
-
-
-@frozen
-class LaunchPlan:
-    strategy: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared: int = 0
-    vector: int = 1
-
-    def attributes(self) -> dict[str, Any]:
-        attributes: dict[str, Any] = {"grid": list(self.grid), "block": list(self.block), "shared": self.shared}
-        if self.vector > 1:
-            attributes["vector"] = self.vector
-        return attributes
 
 
 def _flat_blocks(items: int) -> int:

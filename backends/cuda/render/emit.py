@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 
 from attrs import define
 
-from ...dialects.core import Operation, VerifyError
-from ...dialects.kern import BODY_KINDS
-from ..manager import CompilationUnit, Pass, register_pass
+from ....dialects.core import Operation, VerifyError
+from ....dialects.kern import BODY_KINDS
+from ....passes.manager import CompilationUnit, Pass, register_pass
 from .fused import FUSED_HELPERS, FusedKernel
 from .kernel_source import KernelSource
 from .launches import template_program, template_sizes

@@ -1,4 +1,4 @@
-"""The template call behind a `row` or `cross_entropy` `kern.kernel` (match-patterns' glue to `templates`).
+"""The template call behind a `row` or `cross_entropy` `kern.kernel` (the CUDA target's answer to match-patterns).
 
 `match-patterns` describes a pattern kernel by its family, its row length,
 its template options and its operands by name; this module turns that into
@@ -23,11 +23,10 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attrs import frozen
-
-from ...dialects.core import Operation
+from ....dialects.core import Operation
+from ....passes.targets import PatternKernel
 from . import templates
-from .kernel_source import KernelProgram, KernelSource, LaunchShape
+from .kernel_source import KernelProgram, KernelSource
 
 #: The row-program template of each family, and the template options it takes.
 ROW_TEMPLATES: dict[str, tuple[Callable[..., KernelProgram], tuple[str, ...]]] = {
@@ -49,42 +48,18 @@ FLOAT_STORAGE = ("f32", "bf16")
 INDEX_STORAGE = ("i32", "i64")
 
 
-@frozen
-class PatternKernel:
-    """A pattern kernel as match-patterns chooses it: kind, family (or direction), row length, options."""
+def template(kernel: PatternKernel) -> tuple[Callable[..., KernelProgram], tuple[str, ...]]:
+    """The template function behind `kernel`, and the template options it takes."""
+    table = ROW_TEMPLATES if kernel.kind == "row" else CROSS_ENTROPY_TEMPLATES
+    return table[kernel.family]
 
-    kind: str
-    family: str
-    cols: int
-    options: Mapping[str, Any]
 
-    def template(self) -> tuple[Callable[..., KernelProgram], tuple[str, ...]]:
-        table = ROW_TEMPLATES if self.kind == "row" else CROSS_ENTROPY_TEMPLATES
-        return table[self.family]
-
-    def program(self, dtypes: Mapping[str, str] | None = None) -> KernelProgram:
-        """The template's program; `dtypes` gives every operand's dtype by name (the defaults when None)."""
-        function, names = self.template()
-        options = tuple((name, self.options[name]) for name in names if name in self.options)
-        return _program(function, self.cols, tuple(sorted((dtypes or {}).items())), options)
-
-    def operands(self) -> tuple[list[str], list[str]]:
-        """The names of the program's inputs and outputs, in launch order."""
-        params = self.program().params
-        return [p.name for p in params if p.role == "input"], [p.name for p in params if p.role == "output"]
-
-    def default_dtypes(self) -> dict[str, str]:
-        return {p.name: p.dtype for p in self.program().params if p.role in ("input", "output")}
-
-    def launch_shape(self, dtypes: Mapping[str, str], rows: int) -> LaunchShape:
-        program = self.program(dtypes)
-        return program.steps[0].kernel.launch(program.all_sizes({"rows": rows}))
-
-    def attributes(self) -> dict[str, Any]:
-        """The symbol attributes that say which template and options (besides signature and launch shape)."""
-        key = "family" if self.kind == "row" else "direction"
-        length = "cols" if self.kind == "row" else "vocab"
-        return {key: self.family, length: self.cols, **self.options}
+def pattern_program(kernel: PatternKernel, dtypes: Mapping[str, str] | None = None) -> KernelProgram:
+    """The template's program for `kernel`; `dtypes` gives every operand's dtype by name (the defaults when
+    None)."""
+    function, names = template(kernel)
+    options = tuple((name, kernel.options[name]) for name in names if name in kernel.options)
+    return _program(function, kernel.cols, tuple(sorted((dtypes or {}).items())), options)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -109,7 +84,7 @@ def pattern_kernel(kernel: Operation) -> PatternKernel:
 
 def kernel_program(kernel: Operation) -> KernelProgram:
     """The program a `row` or `cross_entropy` `kern.kernel` is one step of, with its operands' dtypes."""
-    return pattern_kernel(kernel).program(kernel.attributes["dtypes"])
+    return pattern_program(pattern_kernel(kernel), kernel.attributes["dtypes"])
 
 
 def step_binding(kernel: Operation) -> tuple[KernelSource, list[Any]]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from attrs import field, frozen, validators
 
-from ...dialects.core import DTYPE_BYTES
+from ....dialects.core import DTYPE_BYTES
 
 #: The C type of each storage dtype a template takes.
 C_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "i32": "int", "i64": "long long"}

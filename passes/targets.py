@@ -1,0 +1,134 @@
+"""What the target-independent lowering passes ask of a kernel target, and the registry of targets.
+
+`match-patterns` and `fuse` decide *what* becomes a kernel; how a kernel is
+launched, and which dtypes and shapes a target's templates take, is the
+target's answer. A target implements `KernelTarget` and registers itself with
+`register_target`; the passes look it up by name (their `target` option,
+`cuda` by default), so they import no backend. The CUDA target
+(`backends/cuda/target.py`) is the one registered today; the tools layer
+wires it in (`sexpgpu.targets.register_targets`), as `mlir-opt` registers
+its dialects and passes in its `main`.
+
+The interface follows tinygrad's `Renderer` (the scheduler asks the device's
+renderer about widths and launch limits, never its code) and MLIR's GPU
+target attributes (a target answers what the lowering may assume of it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attrs import frozen
+
+from ..diagnostics import UsageError
+from ..dialects.core import TensorType
+
+
+@frozen
+class LaunchPlan:
+    """How one kernel `fuse` makes is launched: the target's strategy, grid, block, dynamic shared bytes and
+    the elements one thread handles with packed accesses (`vector`)."""
+
+    strategy: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int = 0
+    vector: int = 1
+
+    def attributes(self) -> dict[str, Any]:
+        """The `kern.kernel` attributes that record the plan."""
+        attributes: dict[str, Any] = {"grid": list(self.grid), "block": list(self.block), "shared": self.shared}
+        if self.vector > 1:
+            attributes["vector"] = self.vector
+        return attributes
+
+
+@frozen
+class PatternKernel:
+    """A pattern kernel as `match-patterns` chooses it: kind (`row` or `cross_entropy`), family (or
+    direction), row length and template options. Target-independent: the target says what it launches."""
+
+    kind: str
+    family: str
+    cols: int
+    options: Mapping[str, Any]
+
+    def attributes(self) -> dict[str, Any]:
+        """The symbol attributes that say which template and options (besides signature and launch shape)."""
+        key = "family" if self.kind == "row" else "direction"
+        length = "cols" if self.kind == "row" else "vocab"
+        return {key: self.family, length: self.cols, **self.options}
+
+
+@frozen
+class PatternStep:
+    """One launch of a pattern kernel: the operands it reads and writes by name, its launch shape, and the
+    name of its step (empty for the first, e.g. `column_sum` for a backward's second launch)."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int
+    name: str
+
+
+@frozen
+class PatternLaunches:
+    """What a pattern kernel launches for given operand dtypes and rows: its steps in order, and the bytes
+    of each scratch buffer one step writes and a later one reads (f32)."""
+
+    steps: tuple[PatternStep, ...]
+    scratch: Mapping[str, int]
+
+
+class KernelTarget(ABC):
+    """The capabilities of a kernel target, as the target-independent lowering passes ask for them."""
+
+    #: The name pipelines give (`fuse{target=cuda}`).
+    name: str
+    #: Float dtypes a pattern kernel's operands may be stored in.
+    float_storage: tuple[str, ...]
+    #: Integer dtypes a pattern kernel's index operands (a loss's targets) may be stored in.
+    index_storage: tuple[str, ...]
+
+    @abstractmethod
+    def pattern_operands(self, kernel: PatternKernel) -> tuple[list[str], list[str]]:
+        """The names of the kernel's inputs and outputs, in launch order."""
+
+    @abstractmethod
+    def pattern_launches(self, kernel: PatternKernel, dtypes: Mapping[str, str], rows: int) -> PatternLaunches:
+        """The launches of `kernel` over `rows` rows with its operands in `dtypes` (by name)."""
+
+    @abstractmethod
+    def plan_generated(self, kind: str, domain: Sequence[int], reduce_axes: Sequence[int],
+                       maps: Sequence[Mapping[str, Any]], inputs: Sequence[TensorType], outputs: Sequence[TensorType],
+                       index_exprs: Sequence[Mapping[str, Any]] = ()) -> LaunchPlan:
+        """The launch of a generated kernel of `kind` over `domain` reading through `maps`."""
+
+    @abstractmethod
+    def plan_template(self, kind: str, attributes: Mapping[str, Any]) -> tuple[LaunchPlan, dict[str, int], list[int]]:
+        """The launch of a template kernel (`fill`, `copy`, `scatter_add`), its size arguments and the bytes
+        of each scratch buffer."""
+
+
+TARGETS: dict[str, KernelTarget] = {}
+
+
+def register_target(target: KernelTarget) -> KernelTarget:
+    """Make `target` available to the lowering passes by its name; registering one name twice is a bug."""
+    known = TARGETS.setdefault(target.name, target)
+    if known is not target:
+        raise ValueError(f"kernel target {target.name} registered twice")
+    return target
+
+
+def kernel_target(name: str) -> KernelTarget:
+    """The registered target `name`; a usage error naming the registered ones otherwise."""
+    target = TARGETS.get(name)
+    if target is None:
+        known = ", ".join(sorted(TARGETS)) or "none (sexpgpu.targets.register_targets() registers the built-in ones)"
+        raise UsageError(f"no kernel target '{name}'; registered: {known}")
+    return target
