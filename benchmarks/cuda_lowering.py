@@ -51,7 +51,7 @@ def main() -> None:
     for name, seconds, before, after in manager.timings:
         print(f"  {name:14} {seconds:6.2f} s  {before:>6} -> {after:<6} ops")
     print(f"  {kernels} kernels in one translation unit of {len(source) // 1024} KiB")
-    for graph, facts in unit.facts["lowering"]["graphs"].items():
+    for graph, facts in unit.facts.lowering.graphs.items():
         print(f"  {graph:28} {facts['nodes']:>5} nodes, {facts['kernels']:>4} kernels per call "
               f"({facts['launches']} launches, {facts['gemms']} GEMMs), {len(facts['fused_groups'])} fused groups")
 

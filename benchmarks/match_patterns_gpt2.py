@@ -63,7 +63,7 @@ def main() -> None:
         PassManager(parse_pipeline("match-patterns"), log=io.StringIO()).run(unit)
         best_wall = min(best_wall, time.perf_counter() - wall)
         best_cpu = min(best_cpu, time.process_time() - cpu)
-        facts = unit.facts["lowering"]["patterns"]
+        facts = unit.facts.lowering.patterns
     print(f"match-patterns on GPT-2 small ({args.layers} layers): {best_wall:.3f} s wall, {best_cpu:.3f} s cpu "
           f"(best of {args.repeat}); {evaluated} forward region structures evaluated")
     for graph, families in facts.items():

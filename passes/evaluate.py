@@ -6,7 +6,7 @@ overrides (the prelude first), then lowers the definition, tracing the run's
 graphs; the module holds the `exp` ops and the `graph.func`s that
 `dialects/exp.py` documents. The lowering's warnings go to `unit.diagnostics`.
 The Python-side definition (`ExperimentDefinition`: knob docs, variants,
-loaders, warnings, traces) is left in `unit.facts["experiment"]` for reports.
+loaders, warnings, traces) is left in `unit.facts.experiment` for reports.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class EvaluatePass(Pass):
     """Evaluates the unit's .sx file and traces its run into `unit.module`.
 
     Guarantees: the module holds the exp ops and graph.funcs the file defines
-    under the unit's selection (and, with `inference`, `@sample` last); `unit.facts["experiment"]`
+    under the unit's selection (and, with `inference`, `@sample` last); `unit.facts.experiment`
     holds the evaluated `ExperimentDefinition`.
     """
 
@@ -52,4 +52,4 @@ class EvaluatePass(Pass):
             unit.module = run_deep(lambda: lowering.module(unit.path))
             if self.inference:
                 unit.module.body.append(run_deep(lowering.inference))
-        unit.facts["experiment"] = definition
+        unit.facts.experiment = definition

@@ -33,7 +33,7 @@ Around the groups:
 
 Kernels are deduplicated by what they compute (kind, body, maps, shapes):
 identical layers share one symbol. Facts for the lowering report:
-`unit.facts["lowering"]["graphs"][graph]` = nodes before, kernels per call,
+`unit.facts.lowering.graphs[graph]` = nodes before, kernels per call,
 launches, GEMMs, fused group sizes; `["updates"][group]` the graphs an
 update kernel replaced; `["fell_back"]` what was not lowered as asked.
 """
@@ -105,19 +105,17 @@ class Fuse(Pass):
         module = unit.require_module(self.name)
         if self.max_nodes < 1:
             raise UsageError(f"option 'max-nodes' of pass 'fuse' must be at least 1, not {self.max_nodes}")
-        facts = unit.facts.setdefault("lowering", {})
+        facts = unit.facts.lowering_facts()
         kernels = KernelTable(module, kernel_target(self.target))
         updates, fell_back = merge_update_groups(module)
-        if updates:
-            facts.setdefault("updates", {}).update(updates)
-        if fell_back:
-            facts.setdefault("fell_back", []).extend(fell_back)
-        graphs = facts.setdefault("graphs", {})
+        facts.updates.update(updates)
+        facts.fell_back.extend(fell_back)
+        graphs = facts.graphs = facts.graphs if facts.graphs is not None else {}
         for func in graph_funcs(module):
             cap = None if func_kind(func) in OPTIMIZER_GRAPH_KINDS else self.max_nodes
             graphs[func.attributes["sym_name"]] = lower_func(func, kernels, cap)
         kernels.place()
-        facts["kernels"] = len(kernels.symbols)
+        facts.kernels = len(kernels.symbols)
 
 
 # -- the module's kernels ---------------------------------------------------------------------

@@ -25,10 +25,10 @@ operand, or of a shape or index op whose data operand is f32-kept. Then:
 
 A value is cast to a dtype at most once per graph (the cast is placed before
 its first user and reused) and carries its user's `path` attribute. Facts:
-`unit.facts["casts"] = {graph: casts added}` for every rewritten graph,
-`unit.facts["kept_f32"] = [{"graph", "op", "path"}]`, one entry per distinct
+`unit.facts.casts = {graph: casts added}` for every rewritten graph,
+`unit.facts.kept_f32 = [{"graph", "op", "path"}]`, one entry per distinct
 (graph, op kind such as "reduce sum" or "unary exp", model path) that runs in
-f32, and `unit.facts["cast_policy"]`.
+f32, and `unit.facts.cast_policy`.
 """
 
 from __future__ import annotations
@@ -148,9 +148,9 @@ class InsertCasts(Pass):
         if policy == "auto":
             runs = [op for op in module.body.ops if op.name == "exp.run"]
             policy = runs[0].attributes["precision"] if runs else "f32"
-        counts: dict[str, int] = unit.facts.setdefault("casts", {})
-        kept_f32: list[dict[str, Any]] = unit.facts.setdefault("kept_f32", [])
-        unit.facts["cast_policy"] = policy
+        counts = unit.facts.casts
+        kept_f32 = unit.facts.kept_f32
+        unit.facts.cast_policy = policy
         for func in module.body.ops:
             if func.name != "graph.func" or func_kind(func) not in MODEL_GRAPH_KINDS:
                 continue

@@ -1,7 +1,7 @@
 """The lowering document: what the CUDA lowering made of each graph a step runs, as the lowering report's numbers.
 
 `lowering_document` reads a module after `CUDA_LOWERING` (`passes/pipelines.py`)
-and the facts its passes left (`unit.facts["lowering"]`: `match-patterns`'
+and the facts its passes left (`unit.facts.lowering`: `match-patterns`'
 families, `fuse`'s rows and update groups, `plan-buffers`' arenas), and
 returns one dict with stable keys (the `device` object of
 `sexpgpu/schemas/explain.schema.json`). `sexpgpu.report.lowering_text`
@@ -38,6 +38,7 @@ from ..dialects.core import Operation
 from ..dialects.exp import GRAPH_ORDER, graph_title
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
+from .manager import LoweringPassFacts, UnitFacts
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
@@ -47,7 +48,7 @@ EXECUTORS = ("cuda", "cuda-sim", "cpu-c")
 
 def lowering_document(
     module: Operation,
-    facts: Mapping[str, Any],
+    facts: UnitFacts,
     arch: str,
     executor: str = "cuda",
     compiled: Mapping[str, Any] | None = None,
@@ -61,8 +62,8 @@ def lowering_document(
     """
     if executor not in EXECUTORS:
         raise ValueError(f"no lowering report for executor {executor!r}")
-    lowering = facts.get("lowering")
-    if lowering is None or "graphs" not in lowering:
+    lowering = facts.lowering
+    if lowering is None or lowering.graphs is None:
         raise ValueError("the lowering document needs a module after the CUDA lowering (fuse's facts are missing)")
     kernels = {op.attributes["sym_name"]: op for op in module.body.ops if op.name == "kern.kernel"}
     run = next(op.attributes for op in module.body.ops if op.name == "exp.run")
@@ -72,7 +73,7 @@ def lowering_document(
         "executor": executor,
         "arch": arch,
         "name": None,
-        "patterns": "patterns" in lowering,
+        "patterns": lowering.patterns is not None,
         "rows": rows,
         "memory": _memory(lowering, rows),
         "stacking": {"microbatches": run["microbatches"], "ranks": 1, "degrees": stacking_degrees(run["microbatches"]),
@@ -143,14 +144,15 @@ def without_launches(document: dict[str, Any]) -> dict[str, Any]:
 # -- rows ---------------------------------------------------------------------------------------
 
 
-def _rows(module: Operation, lowering: Mapping[str, Any], kernels: Mapping[str, Operation],
+def _rows(module: Operation, lowering: LoweringPassFacts, kernels: Mapping[str, Operation],
           launches: bool) -> list[dict[str, Any]]:
     by_title: dict[str, list[Operation]] = {}
     funcs = sorted(graph_funcs(module), key=lambda f: GRAPH_ORDER.get(func_kind(f) or "", len(GRAPH_ORDER)))
     for func in funcs:
         by_title.setdefault(graph_title(func), []).append(func)
-    graph_facts = lowering["graphs"]
-    updates = lowering.get("updates", {})
+    graph_facts = lowering.graphs or {}
+    updates = lowering.updates
+    patterns = lowering.patterns or {}
     rows = []
     for title, members in by_title.items():
         symbols = [f.attributes["sym_name"] for f in members]
@@ -166,10 +168,10 @@ def _rows(module: Operation, lowering: Mapping[str, Any], kernels: Mapping[str, 
             "kernels": sum(_device_launches(f) for f in members),
             "gemms": sum(graph_facts[s]["gemms"] for s in symbols),
             "fused_groups": sizes,
-            "arena_bytes": max((lowering.get("arenas", {}).get(s, 0) for s in symbols), default=0),
+            "arena_bytes": max((lowering.arenas.get(s, 0) for s in symbols), default=0),
             "captured": None,
             "families": _update_families(title, members, merged, lowering) if kind == "update"
-            else _pattern_families([lowering.get("patterns", {}).get(s, {}) for s in symbols]),
+            else _pattern_families([patterns.get(s, {}) for s in symbols]),
         }
         if launches:
             row["launches"] = launch_list(members[0], kernels)
@@ -221,11 +223,11 @@ def _pattern_families(per_graph: Iterable[Mapping[str, Mapping[str, Any]]]) -> l
 
 
 def _update_families(title: str, members: list[Operation], merged: Mapping[str, Any] | None,
-                     lowering: Mapping[str, Any]) -> list[dict[str, Any]]:
+                     lowering: LoweringPassFacts) -> list[dict[str, Any]]:
     """An optimizer group's update kernels: one multi-tensor update when its graphs merged, else one
     pointwise kernel per graph, with the reason `fuse` recorded."""
     fell_back = [{"family": f["family"], "path": f["path"], "reason": f["reason"], "loc": None}
-                 for f in lowering.get("fell_back", []) if f.get("graph") == title]
+                 for f in lowering.fell_back if f.get("graph") == title]
     name = "multi-tensor update" if merged else "pointwise"
     return [{"group": UPDATE_GROUP, "kernels": [{"family": "update", "base": "update", "name": name,
                                                  "fired": len(members)}],
@@ -262,10 +264,10 @@ def launch_list(func: Operation, kernels: Mapping[str, Operation]) -> list[dict[
 # -- run-wide lines -----------------------------------------------------------------------------
 
 
-def _memory(lowering: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _memory(lowering: LoweringPassFacts, rows: list[dict[str, Any]]) -> dict[str, Any]:
     largest = max(rows, key=lambda r: r["arena_bytes"], default=None)
     return {
-        "persistent_bytes": lowering.get("persistent_bytes", 0),
+        "persistent_bytes": lowering.persistent_bytes,
         "largest_arena": {"row": largest["name"], "bytes": largest["arena_bytes"]} if largest else None,
         "total_bytes": None,
         "free_bytes": None,

@@ -12,12 +12,60 @@ from __future__ import annotations
 import io
 import sys
 import time
-from typing import Any, ClassVar, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import attrs
 from attrs import define, field
 
 from ..diagnostics import DiagnosticSink, SxError, UsageError, nearest
+
+if TYPE_CHECKING:
+    from ..frontend.experiment_definitions import ExperimentDefinition
+
+
+@define
+class LoweringPassFacts:
+    """What the CUDA lowering's passes leave for the lowering document (`passes/lowering_report.py`) and the
+    executor; each field None until the pass that writes it ran. Per-graph entries are plain data: they
+    flow into the document (`explain --json`'s `device`) as they are."""
+
+    #: match-patterns: graph -> family -> {"group", "direction", "kernels", "fired", "paths", "as",
+    #: "fell_back"}; None when the pipeline ran no match-patterns (patterns off).
+    patterns: dict[str, dict[str, dict[str, Any]]] | None = None
+    #: fuse: graph -> {"nodes", "kernels", "launches", "gemms", "fused_groups"}.
+    graphs: dict[str, dict[str, Any]] | None = None
+    #: fuse: optimizer group -> {"graphs", "nodes"} of the update graphs one kernel replaced.
+    updates: dict[str, dict[str, Any]] = field(factory=dict)
+    #: fuse: what was not lowered as asked ({"graph", "family", "path", "reason"}).
+    fell_back: list[dict[str, Any]] = field(factory=list)
+    #: fuse: the module's distinct kernels.
+    kernels: int | None = None
+    #: plan-buffers: each graph's transient arena, and the persistent arena, in bytes.
+    arenas: dict[str, int] = field(factory=dict)
+    persistent_bytes: int = 0
+
+
+@define
+class UnitFacts:
+    """What passes leave on a unit for later passes and the reports, one field per pass that writes it (as
+    MLIR's analyses are typed results, not a string-keyed map): a misspelt fact fails where it is read."""
+
+    #: evaluate: the evaluated experiment (knob docs, variants, loaders, warnings).
+    experiment: ExperimentDefinition | None = None
+    #: insert-casts: casts added per graph; the ops kept in f32 ({"graph", "op", "path"}); the policy applied.
+    casts: dict[str, int] = field(factory=dict)
+    kept_f32: list[dict[str, Any]] = field(factory=list)
+    cast_policy: str | None = None
+    #: plan-memory: graph -> its activation bound {"peak_bytes", "param_bytes", "grad_bytes", ...}.
+    memory: dict[str, dict[str, int]] = field(factory=dict)
+    #: The CUDA lowering's passes; None until one ran.
+    lowering: LoweringPassFacts | None = None
+
+    def lowering_facts(self) -> LoweringPassFacts:
+        """The CUDA lowering's facts, made empty by the first lowering pass that writes one."""
+        if self.lowering is None:
+            self.lowering = LoweringPassFacts()
+        return self.lowering
 
 
 @define
@@ -35,7 +83,7 @@ class CompilationUnit:
     #: Where dump passes write their report.
     out: TextIO = field(factory=lambda: sys.stdout)
     #: Facts passes leave for later passes and reports (casts added, memory bound, ...).
-    facts: dict[str, Any] = field(factory=dict)
+    facts: UnitFacts = field(factory=UnitFacts)
     #: Whether a dump pass wrote the output (so the tool does not also print the IR).
     dumped: bool = False
     #: The errors, warnings and notes the passes raised, in order (the error that stopped the pipeline last).

@@ -25,7 +25,7 @@ dtype the templates do not store, an observation of a value inside it, an
 intermediate value read elsewhere — is left to `fuse` and recorded with its
 reason.
 
-Facts: `unit.facts["lowering"]["patterns"][graph][family]` = `{"group",
+Facts: `unit.facts.lowering.patterns[graph][family]` = `{"group",
 "direction", "kernels", "fired", "paths", "as", "fell_back"}` (see
 `pattern_facts`). Option `remarks` prints one line per region on standard
 error: the kernel it became, or `fell back` and why.
@@ -75,7 +75,8 @@ class MatchPatterns(Pass):
         module = unit.require_module(self.name)
         target = kernel_target(self.target)
         kernels = KernelTable(module)
-        facts = unit.facts.setdefault("lowering", {}).setdefault("patterns", {})
+        lowering = unit.facts.lowering_facts()
+        facts = lowering.patterns = lowering.patterns if lowering.patterns is not None else {}
         cache = MatchCache()
         for func in graph_funcs(module):
             block = func.regions[0].blocks[0]

@@ -159,6 +159,6 @@ class PlanBuffers(Pass):
         for op in module.body.ops:
             if op.name == "exp.run":
                 op.attributes["persistent_bytes"] = persistent
-        lowering = unit.facts.setdefault("lowering", {})
-        lowering["arenas"] = arenas
-        lowering["persistent_bytes"] = persistent
+        lowering = unit.facts.lowering_facts()
+        lowering.arenas = arenas
+        lowering.persistent_bytes = persistent

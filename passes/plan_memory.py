@@ -15,7 +15,7 @@ program point i):
   there (an op's operands and results are live together: nothing is reused
   in place, hence an upper bound).
 
-Facts: `unit.facts["memory"][graph] = {"peak_bytes", "param_bytes",
+Facts: `unit.facts.memory[graph] = {"peak_bytes", "param_bytes",
 "grad_bytes", "largest"}`, where `largest` lists the 10 values with the most
 elements (ties in schedule order), each `{"op": defining op without the
 "graph." prefix, "shape": [...], "dtype", "elements", "loc": "file.sx:25" or
@@ -76,7 +76,7 @@ def plan_graph(func: Operation) -> dict[str, Any]:
 
 @define
 class PlanMemory(Pass):
-    """Computes the peak-activation bound of every training and evaluation graph into `facts["memory"]`.
+    """Computes the peak-activation bound of every training and evaluation graph into `unit.facts.memory`.
 
     Guarantees: the IR is unchanged; `peak_bytes` is exact for the block
     order with no buffer reuse within an op.
@@ -87,7 +87,7 @@ class PlanMemory(Pass):
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        memory = unit.facts.setdefault("memory", {})
+        memory = unit.facts.memory
         for func in module.body.ops:
             if func.name == "graph.func" and func.attributes.get("kind") in MODEL_GRAPH_KINDS:
                 memory[func.attributes["sym_name"]] = plan_graph(func)

@@ -34,7 +34,7 @@ class Experiment:
         self.unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
         self.module: Operation = self.unit.module
         #: The Python-side experiment (knob docs, variants, loaders, warnings).
-        self.definition = self.unit.facts["experiment"]
+        self.definition = self.unit.facts.experiment
         ops = list(self.module.body.ops)
         self._graphs = {str(op.attributes["sym_name"]): op for op in ops if op.name == "graph.func"}
         self._evaluations = {str(op.attributes["name"]) for op in ops if op.name == "exp.evaluation"}

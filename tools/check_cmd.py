@@ -25,7 +25,7 @@ def check(path: str, variant: str | None, sets: list[str]) -> dict[str, object]:
     """The facts `check` reports; raises the first diagnostic as an SxError."""
     unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), TRAINING_PIPELINE)
     unit.module.verify()
-    experiment = unit.facts["experiment"]
+    experiment = unit.facts.experiment
     graphs = [op for op in unit.module.body.ops if op.name == "graph.func"]
     return {
         "file": display_path(path),

@@ -41,7 +41,7 @@ from ...dialects.core import Operation, Region
 from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
-from ...passes.manager import CompilationUnit
+from ...passes.manager import CompilationUnit, UnitFacts
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
@@ -74,7 +74,7 @@ def capture_setting() -> bool:
 class LoweredModule:
     """A module after the CUDA lowering: its graphs by name, its facts, its kernels loaded on the device."""
 
-    def __init__(self, module: Operation, facts: dict[str, Any], loaded: LoadedModule, binary: Any) -> None:
+    def __init__(self, module: Operation, facts: UnitFacts, loaded: LoadedModule, binary: Any) -> None:
         self.module = module
         self.facts = facts
         self.loaded = loaded

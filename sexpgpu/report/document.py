@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..diagnostics import display_path
 from ..dialects.core import Operation, TensorType
@@ -20,6 +20,9 @@ from ..passes.flat_updates import FLAT_MEMBER_ALIGNMENT, flat_update_graph, para
 from ..passes.lowering_report import stacking_degrees
 from ..passes.plan_buffers import member_offsets
 from ..version import __version__
+
+if TYPE_CHECKING:
+    from ..passes.manager import UnitFacts
 
 #: Rows of largest tensors kept per graph, in the document and the text (an update group's row shows one).
 LARGEST_KEPT = 10
@@ -170,7 +173,7 @@ def _static_counters(train: Operation | None, microbatches: int) -> list[dict[st
 
 
 def _step(
-    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: dict[str, Any]
+    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: UnitFacts
 ) -> dict[str, Any]:
     loaders = {op.attributes["name"]: op.attributes for op in _exp_ops(module, "exp.loader")}
     batch = loaders[run["loader"]]["batch"]
@@ -180,7 +183,7 @@ def _step(
         evaluations.append(
             {"name": attrs["name"], "every": attrs["every"], "loader": attrs["loader"], "batch": loaders[attrs["loader"]]["batch"]}
         )
-    memory = facts.get("memory", {})
+    memory = facts.memory
     train_symbol = graphs_by_kind["train"].attributes["sym_name"] if "train" in graphs_by_kind else None
     planned = memory.get(train_symbol)
     peak = (
@@ -222,9 +225,9 @@ def _diagnostics(module: Operation, graphs: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def _precision(run: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+def _precision(run: dict[str, Any], facts: UnitFacts) -> dict[str, Any]:
     kept: dict[str, dict[str, list[str]]] = {}
-    for entry in facts.get("kept_f32", []):
+    for entry in facts.kept_f32:
         op = str(entry["op"]).removeprefix("graph.")
         slot = kept.setdefault(op, {"paths": [], "graphs": []})
         for key, value in (("paths", entry.get("path") or "-"), ("graphs", entry["graph"])):
@@ -232,12 +235,12 @@ def _precision(run: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
                 slot[key].append(value)
     return {
         "policy": run["precision"],
-        "casts": sum(facts.get("casts", {}).values()),
+        "casts": sum(facts.casts.values()),
         "kept_f32": [{"op": op, "paths": v["paths"], "graphs": v["graphs"]} for op, v in kept.items()],
     }
 
 
-def build_document(module: Operation, facts: dict[str, Any], path: str | None) -> dict[str, Any]:
+def build_document(module: Operation, facts: UnitFacts, path: str | None) -> dict[str, Any]:
     """The explain document of an evaluated experiment module and the facts its passes left."""
     params = _exp_ops(module, "exp.param")
     run = attribute_json(_one(module, "exp.run").attributes)
@@ -247,7 +250,7 @@ def build_document(module: Operation, facts: dict[str, Any], path: str | None) -
         graphs_by_kind.setdefault(func.attributes.get("kind", ""), func)
     parameters = _parameters(params)
     elements_of = {leaf["path"]: leaf["elements"] for m in parameters["modules"] for leaf in m["leaves"]}
-    graphs = _graphs(funcs, facts.get("casts", {}))
+    graphs = _graphs(funcs, facts.casts)
     return {
         "file": display_path(path) if path else "<input>",
         "version": __version__,

@@ -75,7 +75,7 @@ def test_f32_policy_adds_no_cast() -> None:
     func = mlp_train()
     unit = run_casts(make_module(func), "insert-casts{policy=f32}")
     assert ops_named(func, "graph.cast") == []
-    assert unit.facts["casts"] == {"train": 0} and unit.facts["kept_f32"] == []
+    assert unit.facts.casts == {"train": 0} and unit.facts.kept_f32 == []
 
 
 def test_bf16_matmuls_in_bf16_reductions_and_outputs_in_f32() -> None:
@@ -99,13 +99,13 @@ def test_bf16_matmuls_in_bf16_reductions_and_outputs_in_f32() -> None:
     casts = ops_named(func, "graph.cast")
     # x, w1, w2 to bf16; logits to f32; act (transposed) stays bf16 into the second matmul; dlogits to bf16;
     # grad/model.out.w back to f32
-    assert unit.facts["casts"] == {"train": len(casts)} and len(casts) == 6
+    assert unit.facts.casts == {"train": len(casts)} and len(casts) == 6
     assert len({id(op.operands[0]) for op in casts}) == len(casts)  # each value cast once
-    kept = unit.facts["kept_f32"]
+    kept = unit.facts.kept_f32
     assert {"graph": "train", "op": "reduce max", "path": "loss"} in kept
     assert {"graph": "train", "op": "unary exp", "path": "loss"} in kept
     assert not any(k["path"] == "model.hidden" for k in kept)
-    assert unit.facts["cast_policy"] == "bf16"
+    assert unit.facts.cast_policy == "bf16"
 
 
 def test_bf16_graph_runs_close_to_f32() -> None:
@@ -136,7 +136,7 @@ def test_auto_policy_reads_the_run_and_leaves_update_graphs_alone() -> None:
     update.attributes.update(sym_name="update/default/model.out.w", kind="update")
     train = mlp_train()
     unit = run_casts(make_module(run, train, update), "insert-casts")
-    assert unit.facts["casts"] == {"train": 6}
+    assert unit.facts.casts == {"train": 6}
     assert ops_named(update, "graph.cast") == []
 
 

@@ -37,7 +37,7 @@ def test_a_pass_warning_is_recorded_and_printed_unless_echo_is_off(tmp_path, cap
     run_pipeline(unit, "evaluate")
     message = 'optimizer group "model.nothing.*" matches no parameter'
     assert unit.diagnostics.diagnostics == [Diagnostic("warning", message, Location(str(path), 6, 43))]
-    assert unit.facts["experiment"].warnings == [(message, Location(str(path), 6, 43))]
+    assert unit.facts.experiment.warnings == [(message, Location(str(path), 6, 43))]
     assert (f"warning: {message}" in capsys.readouterr().err) == echo
 
 

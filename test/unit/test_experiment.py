@@ -37,7 +37,7 @@ def experiment_file(tmp_path, body: str, extra: bool = False) -> str:
 
 def evaluate(path: str, variant=None, sets=()):
     unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), "evaluate")
-    return unit.module, unit.facts["experiment"]
+    return unit.module, unit.facts.experiment
 
 
 RUN = """

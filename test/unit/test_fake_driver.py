@@ -130,7 +130,7 @@ def test_the_fake_catches_what_a_gpu_refuses(monkeypatch):
 
 def test_open_allocate_upload_launch_gemm_capture_replay_download_close(fake, cubin):
     runtime = driver_cuda.CudaRuntime(0)
-    assert runtime.device.describe().startswith("NVIDIA H200 (device 0, sm_90, 141.00 GiB")
+    assert runtime.device.describe().startswith("NVIDIA H200 (device 0, sm_90, 141.0 GiB")
     module = loaded(runtime, cubin)
     arena = runtime.arena(1 << 20, "the test arena")
     x, y = arena.allocate(4096, "x"), arena.allocate(4096, "y")
@@ -249,8 +249,8 @@ def test_a_kernels_fault_names_that_kernel_whichever_call_reports_it(fake, cubin
 
 
 @pytest.mark.parametrize(("call", "kind", "line"), [
-    ("cuMemAlloc", DeviceOutOfMemory, "error: out of device memory: the test block needs 4.00 KiB (4096 bytes), but "
-                                      "only 141.00 GiB (151397597184 bytes) are free on NVIDIA H200"),
+    ("cuMemAlloc", DeviceOutOfMemory, "error: out of device memory: the test block needs 4.0 KiB (4096 bytes), but "
+                                      "only 141.0 GiB (151397597184 bytes) are free on NVIDIA H200"),
     ("cuModuleLoadData", driver_cuda.DriverOutOfMemory,
      "error: out of device memory: cuModuleLoadData (fake_driver_tests, sm_90) failed (CUDA_ERROR_OUT_OF_MEMORY); "
      "the model or the batch is too large for the memory left on the device"),

@@ -55,11 +55,11 @@ def test_the_cuda_target_is_registered_for_the_tools() -> None:
 
 def test_match_patterns_takes_the_dtypes_the_target_stores() -> None:
     unit = run_pipeline(CompilationUnit(path=str(SOFTMAX)), f"{GRAPHS},match-patterns{{target={Bf16Only.name}}}")
-    softmax = unit.facts["lowering"]["patterns"]["train"]["softmax"]
+    softmax = unit.facts.lowering.patterns["train"]["softmax"]
     assert softmax["fired"] == 0
     assert [f["reason"] for f in softmax["fell_back"]] == ["dtype f32 of its x is not taken (bf16)"]
     cuda = run_pipeline(CompilationUnit(path=str(SOFTMAX)), f"{GRAPHS},match-patterns")
-    assert cuda.facts["lowering"]["patterns"]["train"]["softmax"]["fired"] == 1
+    assert cuda.facts.lowering.patterns["train"]["softmax"]["fired"] == 1
 
 
 def test_fuse_launches_as_the_target_plans() -> None:

@@ -21,7 +21,7 @@ def lowered() -> CompilationUnit:
 
 
 def test_facts_per_graph_and_family(lowered: CompilationUnit) -> None:
-    train = lowered.facts["lowering"]["patterns"]["train"]
+    train = lowered.facts.lowering.patterns["train"]
     assert train["cross_entropy_forward"] == {
         "group": "cross-entropy tail", "direction": "forward", "kernels": ["cross_entropy_forward_f32_256_mean",
                                                                        "cross_entropy_forward_f32_256_mean_sum_reduce"],
@@ -35,7 +35,7 @@ def test_facts_per_graph_and_family(lowered: CompilationUnit) -> None:
                   "model.norm"],
         "as": [], "fell_back": []}
     assert train["layernorm_backward"]["fired"] == 5
-    evaluation = lowered.facts["lowering"]["patterns"]["eval"]
+    evaluation = lowered.facts.lowering.patterns["eval"]
     assert set(evaluation) == {"layernorm", "softmax", "cross_entropy_forward"}
     assert evaluation["layernorm"]["kernels"] == ["layernorm_f32_128"]
 
@@ -56,7 +56,7 @@ def test_the_output_prints_parses_and_is_a_fixpoint(lowered: CompilationUnit) ->
     again = CompilationUnit(module=module)
     PassManager(parse_pipeline("match-patterns")).run(again)
     assert print_module(again.module) == text
-    assert all(not families for families in again.facts["lowering"]["patterns"].values())
+    assert all(not families for families in again.facts.lowering.patterns.values())
 
 
 def test_fell_back_facts_carry_path_reason_and_location(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_fell_back_facts_carry_path_reason_and_location(tmp_path: Path) -> None:
 """)
     unit = CompilationUnit(path=str(path))
     PassManager(parse_pipeline(GRAPHS + ",match-patterns")).run(unit)
-    facts = unit.facts["lowering"]["patterns"]["train"]
+    facts = unit.facts.lowering.patterns["train"]
     assert facts["cross_entropy_forward"]["fired"] == 0
     assert facts["cross_entropy_forward"]["fell_back"] == [
         {"path": "model", "reason": "an observation (logp) reads a value inside the region", "loc": f"{path}:4"}]

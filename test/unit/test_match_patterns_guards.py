@@ -61,10 +61,10 @@ def assert_guard_kept(unit: CompilationUnit, family: str) -> None:
     """The guard is an op of the lowered train graph, or the family fell back naming a guard."""
     train = next(op for op in unit.module.body.ops if op.name == "graph.func" and op.attributes["sym_name"] == "train")
     kept = [op for op in train.regions[0].blocks[0].ops if op.name in GUARDS]
-    facts = unit.facts["lowering"]["patterns"]["train"].get(family, {})
+    facts = unit.facts.lowering.patterns["train"].get(family, {})
     reasons = [entry["reason"] for entry in facts.get("fell_back", [])]
     assert kept or any("guard" in reason for reason in reasons), (facts, [op.name for op in train.regions[0].blocks[0].ops])
-    if fired(unit.facts["lowering"]["patterns"]["train"], family):
+    if fired(unit.facts.lowering.patterns["train"], family):
         assert kept, "a guarded region became a kernel and its guard is gone"
 
 
@@ -93,5 +93,5 @@ def test_an_eps_added_is_still_the_family(tmp_path) -> None:
     spelling = Spelling(7)
     model = (f"(let* ((m {spelling.mean('x')}) (c (- x m)) (v (mean (* c c) -1 :keep true))) "
              "(+ (* (* c (rsqrt (+ v 1e-3))) w) b))")
-    facts = lowered(tmp_path, model, SQUARES).facts["lowering"]["patterns"]["train"]
+    facts = lowered(tmp_path, model, SQUARES).facts.lowering.patterns["train"]
     assert fired(facts, "layernorm") == 1 and fired(facts, "layernorm_backward") == 1, facts

@@ -205,7 +205,7 @@ def compile_facts(tmp_path: Path, model: str, objective: str) -> dict:
     path.write_text(EXPERIMENT.format(width=WIDTH, model=model, objective=objective))
     unit = CompilationUnit(path=str(path))
     PassManager(parse_pipeline(PIPELINE)).run(unit)
-    return unit.facts["lowering"]["patterns"]["train"]
+    return unit.facts.lowering.patterns["train"]
 
 
 def fired(facts: dict, family: str) -> int:

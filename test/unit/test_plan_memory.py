@@ -60,7 +60,7 @@ def small_train(kind: str = "train", accumulate: bool = False) -> Operation:
 def plan(*funcs: Operation) -> dict:
     unit = CompilationUnit(module=make_module(*funcs))
     run_pipeline(unit, "plan-memory")
-    return unit.facts["memory"]
+    return unit.facts.memory
 
 
 def test_peak_params_and_grads_are_exact() -> None:

@@ -14,6 +14,7 @@ import pytest
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
 from sexpgpu.dialects.graph import show_shape
+from sexpgpu.passes.manager import UnitFacts
 
 import sexpgpu
 from sexpgpu.byte_text import show_bytes
@@ -125,10 +126,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-FACTS = {
-    "casts": {"train": 0, "eval": 0},
-    "memory": {"train": {"peak_bytes": 3 * 2**20 + 2**19, "param_bytes": 204, "grad_bytes": 204, "largest": []}},
-}
+FACTS = UnitFacts(
+    casts={"train": 0, "eval": 0},
+    memory={"train": {"peak_bytes": 3 * 2**20 + 2**19, "param_bytes": 204, "grad_bytes": 204, "largest": []}},
+)
 
 
 def tiny_document(**kwargs: Any) -> dict[str, Any]:
