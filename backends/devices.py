@@ -11,9 +11,9 @@ from typing import Any
 from ..diagnostics import SxError, UsageError
 from .executor import Executor, open_executor, unavailable_reason
 
-#: What `--device` accepts (`cuda-sim`: the simulated CUDA device, for tests); whether this build and
-#: machine can open one is the executor registry's answer.
-DEVICES = ("cpu", "cuda", "cuda-sim")
+#: What `--device` accepts (`cpu-c`: the compiled CPU target; `cuda-sim`: the simulated CUDA device, for
+#: tests); whether this build and machine can open one is the executor registry's answer.
+DEVICES = ("cpu", "cpu-c", "cuda", "cuda-sim")
 
 
 def default_device() -> str:
@@ -24,7 +24,7 @@ def default_device() -> str:
 def _register_builtin_executors() -> None:
     # Importing a backend package registers its executor; here, not at the top, so that parsing
     # a command line loads no backend.
-    from . import cuda, interpreter  # noqa: F401
+    from . import cpu_c, cuda, interpreter  # noqa: F401
 
 
 def require_available(device: str, verb: str) -> None:

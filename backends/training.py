@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 
-from ..diagnostics import SxError, display_path, source_digest
+from ..diagnostics import SxError, UsageError, display_path, source_digest
 from ..dialects.core import Operation
 from ..dialects.graph import is_derived
 from ..dialects.inits import initial_params
@@ -68,6 +68,7 @@ from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
 from ..passes.scale_gradients import FLAT_GRADS, SCALE_GRAPH
 from ..passes.variants import stack_variants
 from ..version import __version__
+from . import ranks
 from .checkpoint import (
     TensorSpec,
     read_checkpoint,
@@ -76,7 +77,8 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .devices import open_device
-from .events import EventLog, finite_or_none
+from .distributed import Communicator, SingleProcess
+from .events import finite_or_none
 from .executor import DeviceArray, Executable, Executor, LoweringText, OutOfDeviceMemory
 from .loaders import Loader, vocabulary_bounds
 from .memory import check_training_tensors_fit, ran_out
@@ -223,15 +225,22 @@ class DeviceSetup:
     allocated, the stacking degree chosen. `explain --device cuda` shows an opened device's lowering
     report after this (the executor's `lowering_document`); `Trainer` goes on to train."""
 
-    def __init__(self, plan: TrainingPlan, executor: Executor) -> None:
+    def __init__(self, plan: TrainingPlan, executor: Executor, world: Communicator | None = None) -> None:
         self.plan = plan
         #: Where the graphs run and the parameters, gradients and states live.
         self.executor = executor
+        #: The data-parallel ranks this process is one of (backends/ranks.py).
+        self.world = world if world is not None else SingleProcess()
+        #: How many of a step's microbatches this rank runs.
+        self.local_microbatches = ranks.local_microbatches(plan.microbatches, self.world.size, plan.run_op.loc)
         check_training_tensors_fit(list(plan.module.body.ops))
         self._compile_graphs()
         self._allocate()
         self._compile_gradient_graphs()
         self._choose_stacking()
+        #: ZeRO-1 over the flat groups it can shard (None: every rank updates everything), and the sum
+        #: over the ranks of the gradients it does not reduce itself.
+        self.sharded, self.reduce_gradients = ranks.plan_reduction(self)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -239,12 +248,14 @@ class DeviceSetup:
         plan = self.plan
         compile_func = self.executor.compile
         self.train = compile_func(plan.graph("train"))
-        self.train_accumulating = compile_func(plan.graph("train_accumulating")) if plan.microbatches > 1 else None
+        self.train_accumulating = compile_func(plan.graph("train_accumulating")) if self.local_microbatches > 1 else None
         self.train_diagnosed = compile_func(plan.graph("train_diagnosed")) if plan.diagnostic_ops else None
         # A diagnosed graph that adds into previous gradients reduces the whole step's: it runs last.
         accumulates = self.train_diagnosed is not None and any(
             spec.role == "grad" for spec in self.train_diagnosed.inputs)
-        self.diagnosed_microbatch = plan.microbatches - 1 if accumulates else 0
+        #: Whether the diagnosed graph reduces the step's summed gradient (backends/ranks.py).
+        self.diagnosis_accumulates = accumulates
+        self.diagnosed_microbatch = self.local_microbatches - 1 if accumulates else 0
         self.evaluations = [
             (op, compile_func(plan.graph(_symbol(op.attributes["graph"])))) for op in plan.evaluation_ops
         ]
@@ -350,14 +361,16 @@ class DeviceSetup:
         self.stack = 1
         self.train_stacked: Executable | None = None
         self.train_stacked_accumulating: Executable | None = None
-        if self.plan.microbatches == 1:
+        if self.local_microbatches == 1:
             return
-        variants = stack_variants(self.plan.module)
-        self.stack = self.executor.stacking(self.plan.microbatches, variants)
+        # The degrees that divide each rank's microbatches (the compiler made one per divisor of the step's).
+        variants = {k: graphs for k, graphs in stack_variants(self.plan.module).items()
+                    if self.local_microbatches % k == 0}
+        self.stack = self.executor.stacking(self.local_microbatches, variants)
         if self.stack > 1:
             stacked, *accumulating = variants[self.stack]
             self.train_stacked = self.executor.compile(stacked)
-            if accumulating:
+            if self.stack < self.local_microbatches:
                 self.train_stacked_accumulating = self.executor.compile(accumulating[0])
 
 
@@ -367,7 +380,8 @@ class Trainer(DeviceSetup):
 
     def __init__(self, plan: TrainingPlan, out_dir: Path, resume: Path | None,
                  reporter_stream: Any = None, interactive: bool | None = None,
-                 executor: Executor | None = None, lowering_text: LoweringText | None = None) -> None:
+                 executor: Executor | None = None, lowering_text: LoweringText | None = None,
+                 world: Communicator | None = None) -> None:
         self.plan = plan
         self.out_dir = out_dir
         self.loaders = {name: Loader.from_op(op) for name, op in plan.loader_ops.items()}
@@ -375,7 +389,7 @@ class Trainer(DeviceSetup):
             raise SxError(f"defrun names loader {plan.train_loader_name}, which is not defined", plan.run_op.loc)
         self.train_loader = self.loaders[plan.train_loader_name]
         self._check_vocabularies()
-        super().__init__(plan, executor if executor is not None else open_device("cpu", "run"))
+        super().__init__(plan, executor if executor is not None else open_device("cpu", "run"), world)
         self.start_step = 0
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -413,6 +427,8 @@ class Trainer(DeviceSetup):
             ex.copy(ex.upload(checkpoint.params[path]), value)
         for name, value in self.states.items():
             ex.copy(ex.upload(checkpoint.states[name]), value)
+        if self.sharded is not None:
+            self.sharded.load_states(checkpoint.states)
         for name, state in manifest.get("loaders", {}).items():
             if name in self.loaders:
                 self.loaders[name].restore(state)
@@ -479,10 +495,10 @@ class Trainer(DeviceSetup):
         runs one microbatch a call (the diagnosed graph is one microbatch's)."""
         if self.stack > 1 and not (diagnosed and self.train_diagnosed is not None):
             assert self.train_stacked is not None
-            count = self.plan.microbatches // self.stack
+            count = self.local_microbatches // self.stack
             return [(self.train_stacked if index == 0 else self.train_stacked_accumulating, self.stack)
                     for index in range(count)]
-        return [(self._microbatch_graph(index, diagnosed), 1) for index in range(self.plan.microbatches)]
+        return [(self._microbatch_graph(index, diagnosed), 1) for index in range(self.local_microbatches)]
 
     def _next_batches(self, count: int) -> dict[str, np.ndarray]:
         """The loader's next batch, or its next `count` stacked along a new first axis."""
@@ -496,11 +512,17 @@ class Trainer(DeviceSetup):
         ex = self.executor
         diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.plan.diagnostic_ops)
         calls: list[tuple[Any, int]] = []
-        for index, (graph, count) in enumerate(self._calls(diagnosed)):
-            # Every gradient goes into the same arrays; after the first call they are also its inputs.
-            grads = self.grad_out if index > 0 else None
-            result = graph(self._inputs(graph, self._next_batches(count), grads), self.grad_out)
-            calls.append((result, count))
+        planned = self._calls(ranks.diagnoses_here(self, diagnosed))
+        # Where the diagnosed graph must see the gradient of every rank, it runs after their sum.
+        held = planned.pop() if ranks.sums_whole(self, diagnosed) and ranks.diagnoses_here(self, diagnosed) else None
+        with ranks.dealt(self.train_loader, self.world, self.local_microbatches):
+            for index, (graph, count) in enumerate(planned):
+                # Every gradient goes into the same arrays; after the first call they are also its inputs.
+                grads = self.grad_out if index > 0 else None
+                result = graph(self._inputs(graph, self._next_batches(count), grads), self.grad_out)
+                calls.append((result, count))
+            # The summed gradients of every rank's microbatches, on every rank (or its shard: ZeRO-1).
+            shared_observations = ranks.reduce_step(self, diagnosed, held, calls)
         if self.scale is not None:
             # One multiply over the flat gradient array and one per gradient outside it, in place.
             summed = {f"grad/{path}": self.grad_out[f"grad/{path}"] for path in self.lone_params}
@@ -516,6 +538,8 @@ class Trainer(DeviceSetup):
         for update, arrays, written in self.flat_updates:
             # In place: the new parameters and states are written over the old.
             update({**arrays, "step": self.step_input}, written)
+        if self.sharded is not None:
+            self.sharded.update(self.step_input)
         for path in self.lone_params:
             update, states = self.updates[path]
             assert update is not None
@@ -535,7 +559,12 @@ class Trainer(DeviceSetup):
             for name, value in result.counters.items():
                 counter_sums[name] = counter_sums.get(name, 0) + np.sum(value).item()
             observed.update(result.observed)
+        if shared_observations is not None:
+            observed = shared_observations
         total = self.plan.microbatches
+        loss_sum = ranks.sum_over_ranks(self.world, {"": loss_sum})[""]
+        metric_sums = ranks.sum_over_ranks(self.world, metric_sums)
+        counter_sums = ranks.sum_over_ranks(self.world, counter_sums)
         metrics = {name: value / total for name, value in metric_sums.items()}
         return loss_sum / total, metrics, counter_sums, observed
 
@@ -543,10 +572,13 @@ class Trainer(DeviceSetup):
         loader = self.loaders[str(op.attributes["loader"])]
         sums: dict[str, float] = {}
         batches = 0
-        for batch in loader.whole():
+        for batch in ranks.evaluation_share(loader.whole(), self.world):
             for name, value in graph(self._inputs(graph, batch)).metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
             batches += 1
+        # Each rank evaluated its share of the batches: the sums and counts of them all.
+        batches = int(ranks.sum_over_ranks(self.world, {"": float(batches)})[""])
+        sums = ranks.sum_over_ranks(self.world, sums)
         return {name: total / batches for name, total in sums.items()}, batches
 
     @staticmethod
@@ -587,19 +619,28 @@ class Trainer(DeviceSetup):
             "sexpgpu_version": __version__,
         }
 
-    def checkpoint(self, events: EventLog, reporter: ProgressReporter, step: int) -> None:
+    def checkpoint(self, events: Any, reporter: ProgressReporter, step: int) -> None:
         started = time.perf_counter()
         download = self.executor.download
+        states = {name: download(value) for name, value in self.states.items()}
+        if self.sharded is not None:
+            # Every rank sends its shards; rank 0 writes the whole states (any rank count resumes them).
+            gathered = self.sharded.gathered_states()
+            states.update(gathered or {})
+        if not self.world.is_root:
+            return
         path = write_checkpoint(self.out_dir, step, {name: download(value) for name, value in self.params.items()},
-                                {name: download(value) for name, value in self.states.items()}, self.manifest(step))
+                                states, self.manifest(step))
         self.last_checkpoint = path
         events.write("checkpoint", step=step, path=str(path), seconds=time.perf_counter() - started)
         reporter.say(f"checkpoint {display_path(str(path))}")
 
     def run(self) -> RunResult:
         plan = self.plan
-        events = EventLog(self.out_dir / "events.jsonl")
-        remove_incomplete(self.out_dir)
+        events = ranks.event_log(self.world, self.out_dir / "events.jsonl")
+        if self.world.is_root:
+            remove_incomplete(self.out_dir)
+        record = ranks.RankRecord(self.world)
         events.write(
             "start",
             file=display_path(plan.path),
@@ -610,17 +651,19 @@ class Trainer(DeviceSetup):
                 "device": self.executor.device, "tokens_per_step": self.tokens_per_step(), "sources": plan.source_hashes,
                 "fingerprint": plan.fingerprint, "version": __version__,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                **ranks.manifest_fields(self),
             },
             parameters=plan.parameter_count,
         )
         lowering = self.executor.lowering_facts()
         report = self.lowering_text(lowering) if lowering is not None and self.lowering_text is not None else None
-        if report is not None:
+        if report is not None and self.world.is_root:
             # Before the first step, on standard error (what the device made of the graphs), and in the log.
             print(report, file=sys.stderr, flush=True)
             events.write("lowering", text=report)
         unit, per_step = self.counted()
-        reporter = ProgressReporter(plan.steps, self.start_step, self.reporter_stream, self.interactive,
+        reporter = ProgressReporter(plan.steps, self.start_step, ranks.progress_stream(self.world, self.reporter_stream),
+                                    self.interactive,
                                     unit="tok" if unit == "tokens" else "rec")
         throughput = Throughput(unit)
         run_started = time.perf_counter()
@@ -631,9 +674,10 @@ class Trainer(DeviceSetup):
         try:
             with _Interrupt() as interrupt:
                 while step < plan.steps:
-                    if interrupt.requested:
+                    if ranks.any_rank(self.world, interrupt.requested):
                         status, message = "interrupted", f"interrupted after step {step}"
                         break
+                    record.say(f"in step {step + 1}")
                     started = time.perf_counter()
                     loss, metrics, counters, observed = self.train_step(step + 1)
                     step += 1
@@ -665,6 +709,7 @@ class Trainer(DeviceSetup):
                                          seconds=time.perf_counter() - eval_started)
                             reporter.say(f"step {step} {name}: {format_metrics(last_evals[name])}")
                     if plan.checkpoint_every and (step % plan.checkpoint_every == 0 or step == plan.steps):
+                        record.say(f"writing the checkpoint of step {step}")
                         self.checkpoint(events, reporter, step)
                 if status == "interrupted":
                     self.checkpoint(events, reporter, step)
@@ -720,6 +765,13 @@ def default_out_dir(path: str) -> Path:
     return Path("runs") / f"{Path(path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def refuse_existing_record(out_dir: Path) -> None:
+    """A new run never writes into a run record: an error naming `--resume` where one is there."""
+    if (out_dir / "events.jsonl").exists():
+        raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
+                      f"--resume {display_path(str(out_dir))}, or choose another --out")
+
+
 def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
     """`--set` flags from the Python API's `{knob: value}` (or flags as they are)."""
     if sets is None:
@@ -736,11 +788,17 @@ def set_flags(sets: dict[str, Any] | list[str] | None) -> list[str]:
 def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str] | None = None,
           out: str | Path | None = None,
           resume: str | Path | None = None, device: str = "cpu", stream: Any = None,
-          interactive: bool | None = None, lowering_text: LoweringText | None = None) -> RunResult:
-    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do. `lowering_text` renders what the
-    executor lowered, for the run to print before its first step and record (`sexpgpu.train` passes the
-    report's renderer); without it the run prints and records no lowering report."""
-    executor = open_device(device, "run")
+          interactive: bool | None = None, lowering_text: LoweringText | None = None,
+          world: Communicator | None = None, threads: int | None = None) -> RunResult:
+    """Train an experiment file; what `sexpgpu run` and `sexpgpu.train` do: as one of the data-parallel
+    ranks of `world` where given (docs/distributed.md). `lowering_text` renders what the executor lowered,
+    for the run to print before its first step and record (`sexpgpu.train` passes the report's renderer);
+    without it the run prints and records no lowering report. `threads` sets the `cpu-c` device's threads
+    (OpenMP and BLAS; by default `$OMP_NUM_THREADS`, else every core)."""
+    if threads is not None and device != "cpu-c":
+        raise UsageError(f"--threads sets the threads of --device cpu-c, not of --device {device}")
+    world = world if world is not None else SingleProcess()
+    executor = open_device(device, "run", **({"threads": threads} if threads is not None else {}))
     plan = TrainingPlan.compile(path, variant, sets, stacking=executor.stacks_microbatches)
     resume_path = Path(resume) if resume is not None else None
     if out is not None:
@@ -750,10 +808,11 @@ def train(path: str, variant: str | None = None, sets: dict[str, Any] | list[str
         out_dir = checkpoint.parent.parent
     else:
         out_dir = default_out_dir(path)
-    if resume_path is None and (out_dir / "events.jsonl").exists():
-        raise SxError(f"{display_path(str(out_dir))} already holds a run record; continue it with "
-                      f"--resume {display_path(str(out_dir))}, or choose another --out")
+    # Rank 0's (a default names the time, which the ranks may read a second apart).
+    out_dir = world.broadcast(out_dir)
+    if world.is_root and resume_path is None:
+        refuse_existing_record(out_dir)
     try:
-        return Trainer(plan, out_dir, resume_path, stream, interactive, executor, lowering_text).run()
+        return Trainer(plan, out_dir, resume_path, stream, interactive, executor, lowering_text, world).run()
     except MemoryError as err:
         raise ran_out(err, plan.run_op.loc) from None

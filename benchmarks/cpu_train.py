@@ -1,15 +1,18 @@
-"""CPU training throughput: sexpgpu's interpreter against PyTorch eager on the same model and batch.
+"""CPU training throughput: sexpgpu's interpreter (`cpu`) and compiled C (`cpu-c`) against PyTorch eager.
 
     python benchmarks/cpu_train.py [--example examples/gpt.sx] [--variant smoke] [--steps 10]
-                                   [--threads N] [--set KNOB=VALUE ...]
+                                   [--threads N] [--set KNOB=VALUE ...] [--no-profile]
 
 By default trains the spec GPT, `examples/gpt.sx --variant smoke` (batch 4,
 4 microbatches, 1040 tokens per step; `--example examples/tiny-gpt.sx
 --variant none` measures tiny-gpt: batch 16, one microbatch), for a few steps
-with sexpgpu's training driver, then the same model from the same parameters
-on the same batches (the same microbatches per step) in PyTorch eager, both in
-this process with the same number of threads (default: the machine's cores).
-Prints tokens/s of each and their ratio, the per-op time profile of the train
+with sexpgpu's training driver on the interpreter and on `cpu-c` (the kern plan
+compiled as C with OpenMP; its compile is done before timing), and the same
+model from the same parameters on the same batches (the same microbatches per
+step) in PyTorch eager, all in this process with the same number of threads
+(default: the machine's cores), their steps alternating (interpreter, cpu-c,
+torch, interpreter, ...) so a change in the machine's load hits all three alike.
+Prints tokens/s of each and the ratios, the per-op time profile of the train
 graph calls of one step (which ops dominate, by op name and by the model code
 that made them, with the prelude line it went through) and the peak RSS of the
 sexpgpu steps (measured before torch loads). Each step's time
@@ -38,17 +41,6 @@ def set_threads(threads: int) -> None:
     """Fix BLAS and OpenMP thread counts before numpy or torch load their libraries."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
-
-
-def timed_steps(step_fn, steps: int) -> tuple[list[float], list[float]]:
-    """Wall and process CPU seconds of each step after one warm-up step."""
-    walls, cpus = [], []
-    for step in range(1, steps + 2):
-        started, cpu = time.perf_counter(), time.process_time()
-        step_fn(step)
-        walls.append(time.perf_counter() - started)
-        cpus.append(time.process_time() - cpu)
-    return walls[1:], cpus[1:]
 
 
 def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, float], float]:
@@ -86,7 +78,7 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     return dict(by_op), dict(by_line), total
 
 
-def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> tuple[list[float], list[float]]:
+def torch_stepper(exp, trainer_params, loader, threads: int):
     import torch
 
     sys.path.insert(0, str(ROOT / "test" / "e2e"))
@@ -94,8 +86,21 @@ def torch_step_times(exp, trainer_params, loader, steps: int, threads: int) -> t
 
     torch.set_num_threads(threads)
     model = TorchGPT.from_experiment(exp, trainer_params)
-    return timed_steps(
-        lambda step: model.train_step([loader.next_batch()["tokens"] for _ in range(exp.microbatches)], step), steps)
+    return lambda step: model.train_step([loader.next_batch()["tokens"] for _ in range(exp.microbatches)], step)
+
+
+def alternating(steppers: dict[str, object], steps: int) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU seconds of a step of each side, their steps taken in turn (one warm-up step each)."""
+    walls: dict[str, list[float]] = defaultdict(list)
+    cpus: dict[str, list[float]] = defaultdict(list)
+    for step in range(1, steps + 2):
+        for name, step_fn in steppers.items():
+            started, cpu = time.perf_counter(), time.process_time()
+            step_fn(step)
+            if step > 1:
+                walls[name].append(time.perf_counter() - started)
+                cpus[name].append(time.process_time() - cpu)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in steppers}
 
 
 def main() -> int:
@@ -104,40 +109,58 @@ def main() -> int:
     parser.add_argument("--example", default=str(EXAMPLE), help="the experiment (default: examples/gpt.sx)")
     parser.add_argument("--variant", default="smoke", help="its variant (default: smoke; 'none' for none)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)),
-                        help="BLAS and torch threads of both sides (default: the machine's cores)")
+                        help="BLAS, OpenMP and torch threads of every side (default: the machine's cores)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the interpreter's op profile")
     args = parser.parse_args()
     set_threads(args.threads)
 
+    from sexpgpu.backends.devices import open_device
     from sexpgpu.backends.loaders import Loader
     from sexpgpu.backends.training import Trainer, TrainingPlan
 
     variant = None if args.variant == "none" else args.variant
     exp = TrainingPlan.compile(args.example, variant, args.sets)
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None)
+    compile_started = time.perf_counter()
+    compiled = Trainer(exp, Path("/nonexistent-benchmark-record"), None,
+                       executor=open_device("cpu-c", "benchmark", threads=args.threads))
+    compile_seconds = time.perf_counter() - compile_started
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()
-    walls, cpus = timed_steps(trainer.train_step, args.steps)
-    ours, ours_cpu = statistics.median(walls), statistics.median(cpus)
-    # The peak so far is the training driver's alone: torch and the op-by-op profile come later.
+    steppers = {"interpreter": trainer.train_step, "cpu-c": compiled.train_step}
+    for step_fn in steppers.values():
+        step_fn(0)
+    # The peak so far is the training drivers' alone: torch and the op-by-op profile come later.
     training_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        torch_available = False
+    else:
+        torch_available = True
+        steppers["pytorch eager"] = torch_stepper(exp, initial, Loader.from_op(exp.loader_ops[exp.train_loader_name]),
+                                                  args.threads)
+    results = alternating(steppers, args.steps)
     name = os.path.relpath(args.example, ROOT) + (f" --variant {variant}" if variant else "")
     print(f"model: {name} {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
           f"{tokens} tokens per step, batch {trainer.train_loader.batch} x {exp.microbatches} microbatches, "
           f"{args.threads} threads)")
-    print(f"sexpgpu interpreter  {tokens / ours:12,.0f} tokens/s  ({ours * 1000:.1f} ms per step, "
-          f"{ours_cpu * 1000:.1f} ms CPU)")
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    cache = "warm" if compiled.executor.experiment.from_cache else "cold"
+    print(f"cpu-c lowering and compile of every graph: {compile_seconds:.1f} s (C cache {cache})")
+    for side, (wall, cpu) in results.items():
+        print(f"{side:20} {tokens / wall:12,.0f} tokens/s  ({wall * 1000:.1f} ms per step, {cpu * 1000:.1f} ms CPU)")
+    if not torch_available:
         print("pytorch eager        (torch is not installed: pip install torch)")
-    else:
-        walls, cpus = torch_step_times(exp, initial, Loader.from_op(exp.loader_ops[exp.train_loader_name]),
-                                       args.steps, args.threads)
-        theirs, theirs_cpu = statistics.median(walls), statistics.median(cpus)
-        print(f"pytorch eager        {tokens / theirs:12,.0f} tokens/s  ({theirs * 1000:.1f} ms per step, "
-              f"{theirs_cpu * 1000:.1f} ms CPU)")
-        print(f"ratio sexpgpu/torch  {theirs / ours:.3f}  (by CPU time {theirs_cpu / ours_cpu:.3f})")
+    ours, ours_cpu = results["interpreter"]
+    fast, fast_cpu = results["cpu-c"]
+    if torch_available:
+        theirs, theirs_cpu = results["pytorch eager"]
+        print(f"ratio interpreter/torch  {theirs / ours:.3f}  (by CPU time {theirs_cpu / ours_cpu:.3f})")
+        print(f"ratio cpu-c/torch        {theirs / fast:.3f}  (by CPU time {theirs_cpu / fast_cpu:.3f})")
+    print(f"ratio cpu-c/interpreter  {ours / fast:.3f}  (by CPU time {ours_cpu / fast_cpu:.3f})")
+    if not args.profile:
+        return 0
 
     by_op, by_line, total = op_profile(trainer)
     calls = f"train + {exp.microbatches - 1} x train_accumulating" if exp.microbatches > 1 else "train"
@@ -147,7 +170,7 @@ def main() -> int:
     print("by the source line that made the ops:")
     for where, seconds in sorted(by_line.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {where:48} {seconds * 1000:8.2f} ms  {100 * seconds / total:5.1f}%")
-    print(f"\npeak RSS of the sexpgpu training steps {training_peak_kib / 1024:.0f} MiB")
+    print(f"\npeak RSS of the sexpgpu training steps (interpreter and cpu-c) {training_peak_kib / 1024:.0f} MiB")
     return 0
 
 

@@ -22,7 +22,8 @@ What `evaluate` makes (later passes add what their docstrings say):
     exp.diagnostic {name, of = {kind = "observed" | "grads" | "params", glob}, reducer, every,
                     enabled = true | false}
     exp.run {steps, loader, microbatches, precision, seed, checkpoints = none | N,
-             evaluations = [names], diagnostics = [names]}
+             evaluations = [names], diagnostics = [names], zero_stage = 0 | 1 (only where written;
+             absent: 1, ZeRO-1 over data-parallel ranks)}
     graph.func @train {kind = "train"}: inputs role "param" (named by path) and
              role "batch" (named by field); returns ["loss"]; autodiff adds "grad/<path>"
     graph.func @sample {kind = "inference"}: only when `evaluate{inference=true}` asks (what

@@ -143,6 +143,8 @@ class RunDef:
     loc: Location | None
     #: Where each option was written, for errors about it.
     option_locs: dict[str, Location | None] = field(factory=dict)
+    #: `:zero-stage` as written (None: not written; data-parallel ranks shard optimizer states, stage 1).
+    zero_stage: int | None = None
 
     def __sx_repr__(self) -> str:
         return f"#<run {self.steps} steps>"

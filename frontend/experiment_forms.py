@@ -500,7 +500,7 @@ def _every(n: Any) -> Checkpoints:
 _RUN_OPTIONS = {
     "steps": True, "loader": True, "microbatches": False, "prepare": False, "objective": True,
     "optimizer": True, "evaluations": False, "diagnostics": False, "checkpoints": False,
-    "precision": False, "seed": False,
+    "precision": False, "seed": False, "zero-stage": False,
 }  # fmt: skip
 
 
@@ -527,6 +527,10 @@ def _defrun(env: Env, args: list, loc: Location | None) -> Defined:
     precision = opts.get("precision", Symbol("f32"))
     if not isinstance(precision, Symbol) or precision.name not in PRECISIONS:
         raise SxError(f"defrun :precision must be {' or '.join(PRECISIONS)}, got {show(precision)}", locs.get("precision"))
+    zero_stage = opts.get("zero-stage")
+    if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1)):
+        raise SxError(f"defrun :zero-stage must be 0 (every rank keeps every optimizer state) or 1 (each rank "
+                      f"keeps its shard of them, the default), got {show(zero_stage)}", locs["zero-stage"])
     run = exp.run = RunDef(
         steps=_int(opts["steps"], "defrun :steps", locs["steps"]),
         loader=loader,
@@ -541,6 +545,7 @@ def _defrun(env: Env, args: list, loc: Location | None) -> Defined:
         seed=_int(opts.get("seed", 0), "defrun :seed", locs.get("seed"), 0),
         loc=loc,
         option_locs=locs,
+        zero_stage=zero_stage,
     )
     return Defined("defrun", run)
 

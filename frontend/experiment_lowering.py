@@ -107,6 +107,8 @@ class ExperimentLowering:
             "exp.run", run.loc, steps=run.steps, loader=run.loader.name, microbatches=run.microbatches,
             precision=run.precision, seed=run.seed, checkpoints=run.checkpoints,
             evaluations=[e.name for e in run.evaluations], diagnostics=[d.name for d in run.diagnostics],
+            # Only where written, so that the IR (and the fingerprint) of a run that leaves it stays the same.
+            **({"zero_stage": run.zero_stage} if run.zero_stage is not None else {}),
         ))  # fmt: skip
         body.append(train.func)
         for trace in evaluations:

@@ -5,7 +5,8 @@ differ only in the parameter's shape (the same elementwise arithmetic on
 `param`, `grad` and the states, with scalars computed from `step`). When
 they are structurally identical up to that shape (`flat_update_graph`
 checks it op by op), one graph rebuilt for the flat `[N]` shape does what
-all of them do over the members laid end to end: elementwise float32
+all of them do over the members laid one after the other (each starting
+256-byte aligned, the gaps zeros that every update leaves zero): elementwise float32
 arithmetic does not depend on the shape it runs over, so it is bit-identical
 to the per-parameter graphs and costs a few array operations over all N
 elements instead of ~35 per parameter. `fuse` lowers the same graph to one
@@ -20,7 +21,8 @@ float32 array per kind:
 
 after the update graphs, for every group of several members
 whose graphs flatten (`start` counts from the group's first element; the
-groups are laid end to end in the order of these graphs: `flat_layout`), and
+groups are laid one after the other, each aligned, in the order of these
+graphs: `flat_layout`), and
 
     graph.func @"<clip>/flat" {kind = "clip", ..., derived = true, span = [start, end]}
 
@@ -44,6 +46,12 @@ from ..dialects.exp import CLIP_EPS
 from ..dialects.graph import erase_derived, func_kind, graph_funcs, input_name, is_derived
 from ..dialects.traits import Trait, has_trait
 from .manager import CompilationUnit, Pass, register_pass
+from .plan_buffers import MEMBER_ALIGNMENT, member_offsets
+
+#: Each member of the flat parameter, gradient and state arrays (float32) starts at a multiple of this many
+#: elements, and so does each group: plan-buffers' member alignment (256 bytes), so a vectorized kernel may
+#: take any member's view.
+FLAT_MEMBER_ALIGNMENT = MEMBER_ALIGNMENT // 4
 
 
 def _signature(func: Operation) -> list[Any] | None:
@@ -163,9 +171,9 @@ def group_update_graph(funcs: Sequence[Operation]) -> Operation | None:
     if len(funcs) < 2:
         return None
     sizes = [param_type(func).numel for func in funcs]
-    flat = flat_update_graph(funcs, sum(sizes))
+    starts, span = member_offsets(sizes, FLAT_MEMBER_ALIGNMENT)
+    flat = flat_update_graph(funcs, span)
     if flat is not None:
-        starts = [sum(sizes[:index]) for index in range(len(sizes))]
         flat.attributes["members"] = [{"path": func.attributes["param"], "start": start, "numel": size}
                                       for func, start, size in zip(funcs, starts, sizes)]
     return flat
@@ -182,11 +190,11 @@ def flat_layout(module: Operation) -> dict[str, tuple[int, int]]:
     layout: dict[str, tuple[int, int]] = {}
     offset = 0
     for func in flat_update_graphs(module):
-        members = func.attributes["members"]
-        for member in members:
+        offset = -(-offset // FLAT_MEMBER_ALIGNMENT) * FLAT_MEMBER_ALIGNMENT
+        for member in func.attributes["members"]:
             start = offset + int(member["start"])
             layout[str(member["path"])] = (start, start + int(member["numel"]))
-        offset += sum(int(member["numel"]) for member in members)
+        offset += param_type(func).numel
     return layout
 
 
@@ -226,8 +234,11 @@ class FlattenUpdates(Pass):
             bounds = [layout[path] for path in paths if path in layout]
             start = min((a for a, _ in bounds), default=0)
             end = max((b for _, b in bounds), default=0)
-            # Over the flat array when every member is in it and together they fill one span of it.
-            if bounds and len(bounds) == len(paths) and sum(b - a for a, b in bounds) == end - start:
+            # Over the flat array when every member is in it and together they fill one span of it (laid out
+            # one after the other, each aligned, as the flat arrays lay them out).
+            ordered = sorted(bounds)
+            laid_out = member_offsets([b - a for a, b in ordered], FLAT_MEMBER_ALIGNMENT)
+            if bounds and len(bounds) == len(paths) and laid_out == ([a - start for a, _ in ordered], end - start):
                 flat = flat_clip_graph(clip, [(a - start, b - start) for a, b in bounds])
                 flat.attributes.update(derived=True, span=[start, end])
                 module.body.insert_after(flat, clip)

@@ -42,7 +42,7 @@ from ..dialects.kern import gemm_dims
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
 #: Executors the report is written for (the first word of its first line).
-EXECUTORS = ("cuda", "cuda-sim")
+EXECUTORS = ("cuda", "cuda-sim", "cpu-c")
 
 
 def lowering_document(
@@ -98,6 +98,12 @@ class DeviceFacts:
     captured: frozenset[str] | None = None
     #: Why capture is off on this device, when it is (PyCUDA has no stream capture).
     capture_off: str | None = None
+
+
+def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
+    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
+    per_rank = max(1, microbatches // ranks)
+    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]
 
 
 def apply_device(document: dict[str, Any], device: DeviceFacts) -> dict[str, Any]:
@@ -264,9 +270,3 @@ def _memory(lowering: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str
         "total_bytes": None,
         "free_bytes": None,
     }
-
-
-def stacking_degrees(microbatches: int, ranks: int = 1) -> list[int]:
-    """The stacking degrees a run chooses among: the divisors of each rank's microbatch count, largest first."""
-    per_rank = max(1, microbatches // ranks)
-    return [k for k in range(per_rank, 0, -1) if per_rank % k == 0]

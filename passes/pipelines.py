@@ -28,3 +28,7 @@ def run_graphs(stacking: bool) -> str:
 #: What `sexpgpu sample` compiles: the training pipeline, whose module's fingerprint is the run's, with
 #: the model's forward for one sequence (`@sample`) traced too and cleaned by the same passes.
 SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=true},", 1)
+
+#: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
+#: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
+CPU_C_LOWERING = "match-patterns,fuse,plan-buffers"

@@ -19,16 +19,22 @@ Two arenas:
   gradient in the persistent arena).
 - **The persistent arena** (`persistent_bytes` on `exp.run`): parameters,
   gradients and optimizer states, group after group; within a group each
-  kind (param, grad, each state) is one span holding the members end to end
-  in the order of the group's flat update graph (`members`), so the group's
-  multi-tensor update reads `[N]` spans. Each span starts at a multiple of
-  256 bytes. `exp.group {arena = {param = offset, grad = offset, m = ...}}`
+  kind (param, grad, each state) is one span holding the members in the
+  order of the group's flat update graph (`members`), so the group's
+  multi-tensor update reads `[N]` spans. Each span and each member in it
+  starts at a multiple of 256 bytes (`MEMBER_ALIGNMENT`; the gaps between
+  members are zeros the update leaves zero): a kernel given one member's
+  view (its gradient's `fill`, a norm's weight) may use 16-byte vector
+  accesses, whatever the sizes of the members before it. The training
+  driver lays its flat arrays out the same way (`member_offsets`).
+  `exp.group {arena = {param = offset, grad = offset, m = ...}}`
   gives each span's start; `exp.param {arena = {param = offset, grad =
   offset, ...}}` each member's place in them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from attrs import define
@@ -41,6 +47,9 @@ from ..dialects.liveness import ArenaPlan, StorageLiveness
 from .manager import CompilationUnit, Pass, register_pass
 
 ALIGNMENT = 256
+#: Where each member of a persistent group's span starts: a multiple of this many bytes (the arena's
+#: alignment; vectorized kernels need 16 of every pointer they are given).
+MEMBER_ALIGNMENT = ALIGNMENT
 #: Kernels each of whose threads reads an operand element and then writes the result element of
 #: the same index (so an output may overwrite an operand read through the identity map).
 ELEMENTWISE_KINDS = ("pointwise", "multi_tensor_update")
@@ -77,6 +86,17 @@ def in_place_reuse(op: Operation, liveness: StorageLiveness) -> dict[Value, Valu
     return reuse
 
 
+def member_offsets(sizes: Iterable[int], alignment: int) -> tuple[list[int], int]:
+    """Where each member of a span starts when the members are laid out in order, each at a multiple of
+    `alignment` (in the sizes' unit: bytes here, elements in the training driver's flat arrays); and
+    where the last one ends."""
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(-(-end // alignment) * alignment)
+        end = starts[-1] + size
+    return starts, end
+
+
 def plan_graph(func: Operation) -> int:
     """Offsets of every computed value of one lowered graph; returns the arena's bytes."""
     block = func.body
@@ -101,13 +121,14 @@ def plan_persistent(module: Operation) -> int:
         members = orders.get(group.attributes["name"], list(group.attributes["members"]))
         kinds = ["param", "grad", *sorted(group.attributes.get("states", {}))]
         starts: dict[str, int] = {}
+        member_starts, span = member_offsets((params[path].attributes["type"].nbytes for path in members),
+                                             MEMBER_ALIGNMENT)
         for kind in kinds:
             offset = -(-offset // ALIGNMENT) * ALIGNMENT
             starts[kind] = offset
-            for path in members:
-                param = params[path]
-                param.attributes.setdefault("arena", {})[kind] = offset
-                offset += param.attributes["type"].nbytes
+            for path, start in zip(members, member_starts):
+                params[path].attributes.setdefault("arena", {})[kind] = offset + start
+            offset += span
         group.attributes["arena"] = starts
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
@@ -122,7 +143,8 @@ class PlanBuffers(Pass):
     (`offsets`, `none` for one the graph returns or emits) such that two values
     whose storage is live at once never overlap, except an elementwise kernel's
     output written over an operand it reads through the identity map for the
-    last time; offsets are multiples of 256; each `graph.func` has
+    last time; offsets are multiples of 256, and so is every persistent
+    member's (parameter, gradient, state); each `graph.func` has
     `arena_bytes`; `exp.param`s and `exp.group`s have `arena`, `exp.run`
     `persistent_bytes`. Run it after `fuse`.
     """

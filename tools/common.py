@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..diagnostics import UsageError
 from ..interruption import interrupt
 
 ISSUES_URL = "the sexpgpu issue tracker"
@@ -42,6 +43,28 @@ def add_device_flag(parser: argparse.ArgumentParser, purpose: str) -> None:
 
 #: Seconds the work has, after a Ctrl-C, to stop before the process ends without it.
 INTERRUPT_GRACE = 3.0
+def positive_count(text: str) -> int:
+    """`--ranks` takes a count ≥ 1; anything else is a wrong command line (exit 2)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a rank count ≥ 1, got '{text}'")
+    return int(text)
+
+
+def add_ranks_flag(parser: argparse.ArgumentParser, purpose: str) -> None:
+    parser.add_argument("--ranks", type=positive_count, metavar="N", help=purpose)
+
+
+def requested_ranks(args: argparse.Namespace) -> int:
+    """How many data-parallel ranks a command line asks for: `--ranks`, else one per `SEXPGPU_DEVICES`
+    id on a GPU (docs/distributed.md)."""
+    text = os.environ.get("SEXPGPU_DEVICES") or ""
+    ids = [part for part in text.split(",") if part.strip()]
+    if args.device != "cpu" and len(ids) > 1:
+        if args.ranks is not None and args.ranks != len(ids):
+            raise UsageError(f"--ranks {args.ranks}, but SEXPGPU_DEVICES={text} names {len(ids)} devices: "
+                             "a GPU rank runs on each")
+        return len(ids)
+    return args.ranks or 1
 
 
 def guarded(body: Callable[[], int]) -> int:

@@ -24,9 +24,9 @@ from ..backends.devices import open_device, require_available
 from ..diagnostics import UsageError
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
-from ..report.document import build_document
+from ..report.document import build_document, ranks_document
 from ..report.explain_text import render_text
-from .common import add_device_flag
+from .common import add_device_flag, add_ranks_flag, requested_ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_flag(parser, "cpu: the device hole; cuda, cuda-sim: the lowering report, which opens the device unless --target")
     parser.add_argument("--target", metavar="ARCH",
                         help="with --device cuda: lower and compile for ARCH (sm_80, sm_90) without opening a device")
+    add_ranks_flag(parser, "add how a step splits over N data-parallel ranks (default: 1, or one per SEXPGPU_DEVICES id)")
 
 
 def compile_unit(file: str, variant: str | None, sets: list[str], dump: str = "", out: TextIO | None = None) -> CompilationUnit:
@@ -58,6 +59,9 @@ def opened_device_document(args: argparse.Namespace) -> dict:
     executor = open_device(args.device, "explain")
     unit = compile_unit(args.file, args.variant, args.set)
     document = build_document(unit.module, unit.facts, unit.path)
+    ranks = requested_ranks(args)
+    if ranks > 1:
+        with_ranks(document, unit, ranks)
     # The graphs a run derives for the driver, after the document (which shows the experiment's).
     run_pipeline(unit, run_graphs(executor.stacks_microbatches))
     DeviceSetup(TrainingPlan(unit.module, unit.path), executor)
@@ -66,9 +70,26 @@ def opened_device_document(args: argparse.Namespace) -> dict:
     return document
 
 
+def with_ranks(document: dict, unit: CompilationUnit, ranks: int) -> dict:
+    """The document with its `ranks` section (`--ranks N` or several `SEXPGPU_DEVICES`)."""
+    from ..backends.ranks import local_microbatches
+
+    run_op = next(op for op in unit.module.body.ops if op.name == "exp.run")
+    local_microbatches(int(run_op.attributes["microbatches"]), ranks, run_op.loc)
+    document["ranks"] = ranks_document(unit.module, document, ranks)
+    return document
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target is not None and args.device != "cuda":
         raise UsageError("--target needs --device cuda: it names the architecture the CUDA lowering compiles for")
+    ranks = requested_ranks(args)
+    if args.device == "cpu" and ranks > 1:
+        require_available(args.device, "explain")
+        unit = compile_unit(args.file, args.variant, args.set)
+        document = with_ranks(build_document(unit.module, unit.facts, unit.path), unit, ranks)
+        sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n" if args.json else render_text(document))
+        return 0
     if args.device == "cpu":
         require_available(args.device, "explain")
         compile_unit(args.file, args.variant, args.set, "explain{json=true}" if args.json else "explain")
@@ -84,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         arch = check_target(args.target)
         unit = compile_unit(args.file, args.variant, args.set)
         document = build_document(unit.module, unit.facts, unit.path)
+        if ranks > 1:
+            with_ranks(document, unit, ranks)
         document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=launches)
     if args.json:
         sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")

@@ -7,9 +7,13 @@ cannot be captured). Every call's CUresult is checked:
 
 - no driver, no GPU, no such device id: `DeviceUnavailable`, one line (exit 1);
 - out of memory on an allocation: `DeviceOutOfMemory` with the bytes asked and the bytes free;
-- a failed cuLaunchKernel: `KernelLaunchError` naming the kernel; a fault a kernel causes while it
-  runs is reported by the driver at a later call that waits (a sticky error), so it is a
-  `KernelLaunchError` naming the last kernel launched before it;
+- a failed cuLaunchKernel: `KernelLaunchError` naming the kernel;
+- a fault a kernel causes while it runs (`CUDA_ERROR_ILLEGAL_ADDRESS` and its kin) is sticky: the
+  driver reports it at whatever call comes next and at every call after, so whichever call reports
+  it (a launch of another kernel, a copy, a synchronization), it is a `KernelLaunchError` naming
+  the last kernel launched and its model path (the executor tells the runtime each launch's);
+- out of memory at any other call (loading a module, instantiating a graph): `DeviceOutOfMemory`,
+  a user error naming the call;
 - anything else: `DeviceError` with the call and the CUresult's name and text.
 
 The module imports without cuda-python or a driver; opening the runtime needs both.
@@ -18,12 +22,15 @@ The module imports without cuda-python or a driver; opening the runtime needs bo
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from attrs import frozen
 
+from ..executor import OutOfDeviceMemory
 from .cublaslt import WORKSPACE_BYTES, CublasLt
 from .errors import CudaToolchainMissing
 from .lowering import NvrtcCompiler
@@ -54,13 +61,15 @@ if TYPE_CHECKING:
     from .cublaslt import GemmSpec
 
 DEVICE = "cuda"
-#: Faults of a running kernel. The context cannot be used after one, and the driver reports it at
-#: whatever call next waits for the device.
+#: Faults of a running kernel, the ones cuda.h documents as leaving "the process in an inconsistent
+#: state" where "any further CUDA work will return the same error": sticky, so the call that reports
+#: one is whichever came after the fault, and the kernel to blame is the last one launched.
+#: (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES is not among them: a launch refused for its own shape.)
 KERNEL_FAULTS = frozenset({
-    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "CUDA_ERROR_LAUNCH_TIMEOUT",
-    "CUDA_ERROR_ASSERT", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
-    "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_TIMEOUT", "CUDA_ERROR_ASSERT",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_TENSOR_MEMORY_LEAK",
 })
 #: Results that mean there is no usable GPU here.
 NO_DEVICE = frozenset({"CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_DEVICE_UNAVAILABLE", "CUDA_ERROR_DEVICE_NOT_LICENSED"})
@@ -99,26 +108,43 @@ def describe(result: Any) -> str | None:
     return text.decode(errors="replace") if int(err) == 0 and text else None
 
 
-def translate(result: Any, call: str, *, kernel: str | None = None, last_kernel: str | None = None) -> Exception:
+@frozen
+class LastLaunch:
+    """The last kernel launched (or replayed in a captured graph): the one a sticky fault is blamed on."""
+
+    kernel: str
+    model_path: str | None = None
+    #: The kernels of the captured graph it is the last of, when the launch was a graph's replay.
+    graph_kernels: int = 0
+
+    def blame(self, failed: str) -> KernelLaunchError:
+        where = (f"the last of the {self.graph_kernels} kernels of a replayed captured graph, so it is one of them "
+                 "(SEXPGPU_CAPTURE=off and CUDA_LAUNCH_BLOCKING=1 name the one)" if self.graph_kernels else
+                 "the last kernel launched, so it is this kernel or one launched shortly before it "
+                 "(CUDA_LAUNCH_BLOCKING=1 reports it at the faulting launch)")
+        return KernelLaunchError(self.kernel, f"{failed}; a kernel's fault is reported by whatever call comes "
+                                              f"next, and this is {where}", self.model_path)
+
+
+def translate(result: Any, call: str, *, kernel: str | None = None, last: LastLaunch | None = None) -> Exception:
     """The error to raise for a failed `call` that returned `result`.
 
-    `kernel` is the kernel a launch call was launching; `last_kernel` the last one launched before a
-    call that may report a kernel's fault late.
+    `kernel` is the kernel a launch call was launching; `last` the last launch before the call, which a
+    sticky fault (`KERNEL_FAULTS`) is blamed on whatever the call was.
     """
     name = result_name(result)
     text = describe(result)
     failed = f"{call} failed: {name}" + (f" ({text})" if text else "")
+    if name in KERNEL_FAULTS:
+        return (last or LastLaunch("(none launched yet)")).blame(failed)
     if name in NO_DEVICE:
         return DeviceUnavailable(DEVICE, f"no CUDA GPU ({name}{': ' + text if text else ''})")
     if name in DRIVER_MISMATCH:
         return DeviceUnavailable(DEVICE, f"the CUDA driver does not fit cuda-python ({name}{': ' + text if text else ''})")
+    if name == "CUDA_ERROR_OUT_OF_MEMORY":
+        return DriverOutOfMemory(call, name)
     if kernel is not None:
         return KernelLaunchError(kernel, failed)
-    if name in KERNEL_FAULTS:
-        return KernelLaunchError(
-            last_kernel or "(none launched yet)",
-            f"{failed}; the driver reports a kernel's fault at the next call that waits, so it is this kernel or "
-            "one launched shortly before it (CUDA_LAUNCH_BLOCKING=1 reports it at the faulting launch)")
     if name.startswith("CUDA_ERROR_STREAM_CAPTURE") or name in CAPTURE_ERRORS:
         return CaptureError(failed)
     if name == "CUDA_ERROR_NO_BINARY_FOR_GPU":
@@ -126,12 +152,24 @@ def translate(result: Any, call: str, *, kernel: str | None = None, last_kernel:
     return DeviceError(failed)
 
 
-def check(result: tuple, call: str, *, kernel: str | None = None, last_kernel: str | None = None) -> Any:
+class DriverOutOfMemory(OutOfDeviceMemory):
+    """Device memory ran out in a call other than an allocation (a module's load, a graph's
+    instantiation, a stream's creation): a user error, as an allocation's is."""
+
+    def __init__(self, call: str, name: str) -> None:
+        if call.startswith("cuMemHostAlloc"):
+            super().__init__(f"out of page-locked host memory: {call} failed ({name})")
+        else:
+            super().__init__(f"out of device memory: {call} failed ({name}); the model or the batch is too large "
+                             "for the memory left on the device")
+
+
+def check(result: tuple, call: str, *, kernel: str | None = None, last: LastLaunch | None = None) -> Any:
     """The values a cuda-python call returned after its CUresult (None, one value, or a tuple); the
     translated error when the CUresult is not CUDA_SUCCESS."""
     err, *values = result
     if int(err) != 0:
-        raise translate(err, call, kernel=kernel, last_kernel=last_kernel)
+        raise translate(err, call, kernel=kernel, last=last)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -208,17 +246,22 @@ class CudaEvent(Event):
 class CudaGraph(CapturedGraph):
     """A captured CUDA graph and its executable instance."""
 
-    def __init__(self, runtime: CudaRuntime, graph: Any, instance: Any) -> None:
+    def __init__(self, runtime: CudaRuntime, graph: Any, instance: Any, launches: list[LastLaunch]) -> None:
         super().__init__()
         self.runtime = runtime
         self.graph = graph
         self.instance = instance
+        #: What a fault after a replay is blamed on: the graph's last kernel, saying it is the graph's.
+        self.last = (LastLaunch(launches[-1].kernel, launches[-1].model_path, len(launches)) if launches
+                     else None)
 
     def _launch(self, stream: Stream | None) -> None:
         if self.instance is None:
             raise CaptureError("launch of a captured graph that was closed")
         self.runtime._check(self.runtime.driver.cuGraphLaunch(self.instance, self.runtime._stream(stream).cu),
                             "cuGraphLaunch")
+        if self.last is not None:
+            self.runtime._last = self.last
 
     def close(self) -> None:
         if self.instance is not None:
@@ -249,6 +292,13 @@ class CudaRuntime(DeviceRuntime):
 
     def __init__(self, index: int = 0) -> None:
         super().__init__()
+        # Every field a method reads is set before the first call that may read it (`stream` checks its
+        # result through `_check`, which reads `_last`).
+        self._allocations: dict[int, int] = {}
+        self._last: LastLaunch | None = None
+        self._captured: list[LastLaunch] = []
+        self._cublas: CublasLt | None = None
+        self._closed = False
         self.driver, self._device = open_device(index)
         d = self.driver
         self._context = check(d.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
@@ -264,13 +314,9 @@ class CudaRuntime(DeviceRuntime):
                                  "cuda-python")
         self.compiler = NvrtcCompiler(self.device.arch)
         self.default_stream = self.stream()
-        self._allocations: dict[int, int] = {}
-        self._last_kernel: str | None = None
-        self._cublas: CublasLt | None = None
-        self._closed = False
 
-    def _check(self, result: tuple, call: str) -> Any:
-        return check(result, call, last_kernel=self._last_kernel)
+    def _check(self, result: tuple, call: str, kernel: str | None = None) -> Any:
+        return check(result, call, kernel=kernel, last=self._last)
 
     def _stream(self, stream: Stream | None) -> CudaStream:
         return stream or self.default_stream
@@ -351,10 +397,10 @@ class CudaRuntime(DeviceRuntime):
         module = self._check(d.cuModuleLoadData(image), f"cuModuleLoadData ({source.name}, {self.device.arch})")
         kernels = {}
         for name, params in declared_kernels(source.source).items():
-            function = check(d.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction ({name})", kernel=name)
+            function = self._check(d.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction ({name})", name)
             self._check_parameters(name, function, params)
-            limit = check(d.cuFuncGetAttribute(d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                               function), "cuFuncGetAttribute", kernel=name)
+            limit = self._check(d.cuFuncGetAttribute(
+                d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, function), "cuFuncGetAttribute", name)
             kernels[name] = Kernel(name, params, CudaFunction(function, limit))
         return LoadedModule(source.name, kernels, module)
 
@@ -362,7 +408,7 @@ class CudaRuntime(DeviceRuntime):
         """The sizes the CUBIN gives the parameters must be those the source's declarations gave them."""
         get_info = self.driver.cuFuncGetParamInfo
         try:
-            sizes = [check(get_info(function, i), "cuFuncGetParamInfo", kernel=name)[1] for i in range(len(params))]
+            sizes = [self._check(get_info(function, i), "cuFuncGetParamInfo", name)[1] for i in range(len(params))]
             extra, _, _ = get_info(function, len(params))
         except RuntimeError:  # a driver older than 12.4 has no cuFuncGetParamInfo
             return
@@ -380,16 +426,21 @@ class CudaRuntime(DeviceRuntime):
         grid3, block3 = dim3(grid, "grid", kernel.name), dim3(block, "block", kernel.name)
         d = self.driver
         if shared_bytes > function.dynamic_shared_limit:
-            check(d.cuFuncSetAttribute(function.cu, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                       shared_bytes), "cuFuncSetAttribute", kernel=kernel.name)
+            self._check(d.cuFuncSetAttribute(function.cu, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             shared_bytes), "cuFuncSetAttribute", kernel.name)
             function.dynamic_shared_limit = shared_bytes
         # `packed` owns the argument values and the pointer array; it lives until the call returns, by
         # which time the driver has copied the values (into the graph, when capturing).
         packed = pack_arguments(kernel, args)
+        launched = LastLaunch(kernel.name, self.launch_path)
+        if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":  # the launch waits, so reports this kernel's own fault
+            self._last = launched
         result = d.cuLaunchKernel(function.cu, *grid3, *block3, shared_bytes, self._stream(stream).cu,
                                   packed.address, 0)
-        check(result, "cuLaunchKernel", kernel=kernel.name)
-        self._last_kernel = kernel.name
+        self._check(result, "cuLaunchKernel", kernel.name)
+        self._last = launched
+        if self._captures:
+            self._captured.append(launched)
 
     def gemm(self, spec: GemmSpec, a: DeviceSpan | int, b: DeviceSpan | int, d: DeviceSpan | int,
              c: DeviceSpan | int | None = None, bias: DeviceSpan | int | None = None, alpha: float = 1.0,
@@ -417,11 +468,13 @@ class CudaRuntime(DeviceRuntime):
         # Thread-local: only this thread's unsafe calls (allocations, synchronizations) break the capture.
         mode = self.driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         self._check(self.driver.cuStreamBeginCapture(self._stream(stream).cu, mode), "cuStreamBeginCapture")
+        self._captured = []
 
     def _end_capture(self, stream: Stream) -> CapturedGraph:
+        launches, self._captured = self._captured, []
         graph = self._check(self.driver.cuStreamEndCapture(self._stream(stream).cu), "cuStreamEndCapture")
         instance = self._check(self.driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        return CudaGraph(self, graph, instance)
+        return CudaGraph(self, graph, instance, launches)
 
     # lifetime -------------------------------------------------------------------------------------
 

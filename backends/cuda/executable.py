@@ -37,7 +37,7 @@ from ...diagnostics import SxError
 from ...dialects.core import TensorType
 from .graph_plan import GraphPlan, LaunchStep, Place, aligned, numpy_dtype
 from .memory import Block, CudaArray
-from .runtime import CapturedGraph, KernelLaunchError, LoadedModule
+from .runtime import CapturedGraph, KernelLaunchError, LoadedModule, check_alignment
 
 if TYPE_CHECKING:
     from .executor import CudaExecutor
@@ -232,8 +232,10 @@ class CudaExecutable:
         operations: list[tuple] = []
         for step in self.plan.steps:
             if isinstance(step, LaunchStep):
+                arguments = tuple(argument(a) for a in step.arguments)
+                check_alignment(self._kernels[step.function], arguments, step.alignment, step.path)
                 operations.append(("launch", self._kernels[step.function], step.grid, step.block, step.shared,
-                                   tuple(argument(a) for a in step.arguments), step.path))
+                                   arguments, step.path))
             else:
                 operations.append(("gemm", step.spec, address(step.a), address(step.b), address(step.d),
                                    None if step.c is None else address(step.c),
@@ -257,7 +259,7 @@ class CudaExecutable:
             try:
                 binding.graph.launch()
             except KernelLaunchError as err:
-                raise err.at(self._paths.get(err.kernel, "")) from None
+                raise (err if err.model_path else err.at(self._paths.get(err.kernel, ""))) from None
         else:
             self._enqueue(binding.operations)
 
@@ -266,10 +268,11 @@ class CudaExecutable:
         for operation in operations:
             if operation[0] == "launch":
                 _, kernel, grid, block, shared, args, path = operation
+                runtime.launch_path = path
                 try:
                     runtime.launch(kernel, grid, block, shared, args)
-                except KernelLaunchError as err:
-                    raise err.at(path) from None
+                except KernelLaunchError as err:  # this launch refused, or an earlier kernel's fault
+                    raise (err.at(path) if err.kernel == kernel.name and not err.model_path else err) from None
             else:
                 _, spec, a, b, d, c, bias, alpha, beta, _ = operation
                 runtime.gemm(spec, a, b, d, c=c, bias=bias, alpha=alpha, beta=beta)

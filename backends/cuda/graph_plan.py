@@ -74,6 +74,8 @@ class LaunchStep:
     #: The `kern.kernel` symbol and the model path of the launch, for errors and listings.
     symbol: str
     path: str
+    #: The byte alignment the kernel's vector accesses assume of every pointer argument (emit-cuda's).
+    alignment: int = 4
 
 
 @frozen
@@ -244,7 +246,7 @@ class GraphPlan:
         bound = {**{f"in{k}": p for k, p in enumerate(operands)}, **{f"out{k}": p for k, p in enumerate(results)}}
         arguments = tuple(bound[a] if isinstance(a, str) else a for a in attrs["arguments"])
         self.steps.append(LaunchStep(str(attrs["function"]), tuple(attrs["grid"]), tuple(attrs["block"]),
-                                     int(attrs["shared"]), arguments, symbol, path))
+                                     int(attrs["shared"]), arguments, symbol, path, int(attrs.get("alignment", 4))))
 
     def _gemm(self, op: Operation) -> None:
         spec, alpha, beta = gemm_spec(op)

@@ -426,6 +426,16 @@ def typed_arguments(kernel: Kernel, args: Sequence) -> list[int | float]:
     return [argument_value(kernel.name, i, p, a) for i, (p, a) in enumerate(zip(kernel.params, args))]
 
 
+def check_alignment(kernel: Kernel, args: Sequence, alignment: int, model_path: str | None = None) -> None:
+    """Every pointer argument must be `alignment`-byte aligned, as the kernel's vector accesses assume;
+    else `KernelLaunchError` naming the argument, before the device meets a misaligned access."""
+    for index, (param, value) in enumerate(zip(kernel.params, args)):
+        if param.kind == "pointer" and value is not None and operator.index(value) % alignment:
+            raise KernelLaunchError(kernel.name, f"argument {index + 1} ({param.declared} {param.name}) is "
+                                    f"{operator.index(value):#x}, not {alignment}-byte aligned as the kernel's "
+                                    "vector accesses assume", model_path)
+
+
 def pack_arguments(kernel: Kernel, args: Sequence) -> PackedArguments:
     """`args` typed by the kernel's parameters and packed for cuLaunchKernel."""
     return PackedArguments(kernel.params, typed_arguments(kernel, args))
@@ -525,6 +535,9 @@ class DeviceRuntime(ABC):
     default_stream: Stream
     #: None where stream capture works; else why not, in words (for the lowering report).
     capture_unavailable: str | None = None
+    #: The model path of the launches being enqueued (the executor sets it), which an error about a
+    #: kernel's fault reported at a later call names.
+    launch_path: str | None = None
 
     def __init__(self) -> None:
         self._captures: dict[int, Capture] = {}

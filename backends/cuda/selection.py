@@ -5,8 +5,10 @@
 - `cuda-sim`: the simulated device (`driver_sim`), whatever `SEXPGPU_CUDA_DRIVER` says.
 
 `SEXPGPU_DEVICES` holds the device id to open (default 0; `cuda-sim` has the one device 0). Several
-ids mean several data-parallel ranks, which a later issue builds; asking for them now is a one-line
-error, as is a device that cannot open (no driver, no GPU, no `cuda` extra, no pycuda).
+ids mean several data-parallel ranks, a process each (docs/distributed.md): `sexpgpu run` starts them,
+and each rank, started under a launcher, opens the id at its local rank; a lone process asked for
+several is a one-line error, as is a device that cannot open (no driver, no GPU, no `cuda` extra, no
+pycuda).
 
 `SEXPGPU_SIM_MEMORY` sizes the simulated device's memory (`64MiB`, `1.5GiB`, or bytes; default half
 the host's), so a run can be made to meet the memory limits of a GPU; a bad size is a usage error.
@@ -19,6 +21,7 @@ import re
 from typing import Any
 
 from ...diagnostics import UsageError
+from ..distributed import launcher_world, local_rank
 from .runtime import DeviceRuntime, DeviceUnavailable
 
 DEVICES = ("cuda", "cuda-sim")
@@ -45,8 +48,13 @@ def requested_device_index(device: str) -> int:
     text = (os.environ.get("SEXPGPU_DEVICES") or "0").strip()
     ids = [part.strip() for part in text.split(",") if part.strip()]
     if len(ids) > 1:
-        raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} asks for {len(ids)} ranks; several ranks "
-                                        "(data-parallel training) are a later issue, so give one device id")
+        if launcher_world() is None:
+            raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} asks for {len(ids)} ranks, a process each: "
+                                            "`sexpgpu run` starts them (docs/distributed.md)")
+        if local_rank() >= len(ids):
+            raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} names {len(ids)} devices, but this is local "
+                                            f"rank {local_rank()} of a machine")
+        ids = [ids[local_rank()]]
     if len(ids) != 1 or not ids[0].isdigit():
         raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} is not a device id (0, 1, ...)")
     index = int(ids[0])

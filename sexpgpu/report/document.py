@@ -16,6 +16,9 @@ from ..dialects.core import Operation, TensorType
 from ..dialects.exp import GRAPH_ORDER, graph_title
 from ..dialects.printer import attribute_json
 from ..dialects.traits import FAMILIES
+from ..passes.flat_updates import FLAT_MEMBER_ALIGNMENT, flat_update_graph, param_type
+from ..passes.lowering_report import stacking_degrees
+from ..passes.plan_buffers import member_offsets
 from ..version import __version__
 
 #: Rows of largest tensors kept per graph, in the document and the text (an update group's row shows one).
@@ -256,4 +259,48 @@ def build_document(module: Operation, facts: dict[str, Any], path: str | None) -
         "diagnostics": _diagnostics(module, graphs),
         "precision": _precision(run, facts),
         "device": None,
+    }
+
+
+def ranks_document(module: Operation, doc: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """What `explain --ranks N` adds (`doc["ranks"]`): how a step splits over N data-parallel ranks, each
+    rank's memory bound with ZeRO-1's sharded optimizer states, and the collectives a step runs
+    (docs/distributed.md). The microbatches must divide by `ranks` (the caller checks)."""
+    run = attribute_json(_one(module, "exp.run").attributes)
+    step = doc["step"]
+    zero = ranks > 1 and int(run.get("zero_stage", 1)) == 1
+    updates: dict[str, list[Operation]] = {}
+    for func in module.body.ops:
+        if func.name == "graph.func" and func.attributes.get("kind") == "update":
+            updates.setdefault(str(func.attributes.get("group")), []).append(func)
+    clipped = any(op.name == "graph.func" and op.attributes.get("kind") == "clip" for op in module.body.ops)
+    groups = []
+    for group in doc["groups"]:
+        funcs = updates.get(group["name"], [])
+        flat = len(funcs) > 1 and flat_update_graph(funcs, group["elements"]) is not None
+        # The group's span in the flat arrays, each member aligned as flatten-updates lays it out.
+        span = member_offsets([param_type(f).numel for f in funcs], FLAT_MEMBER_ALIGNMENT)[1]
+        groups.append({"name": group["name"], "elements": group["elements"], "state_elements": group["state_elements"],
+                       "sharded": zero and flat and span % ranks == 0})
+    parameter_bytes = 4 * doc["parameters"]["elements"]
+    state_bytes = sum(4 * g["state_elements"] // (ranks if g["sharded"] else 1) for g in groups)
+    sharded_elements = sum(g["elements"] for g in groups if g["sharded"])
+    # Ring collectives: a rank sends (N-1)/N of each buffer reduce-scattered or all-gathered.
+    gathered = (3 if clipped else 2) * sharded_elements + 2 * (doc["parameters"]["elements"] - sharded_elements)
+    tokens = next((c["per_step"] for c in step["counters"] if c["name"] == "tokens" and c["static"]), None)
+    peak = step["peak_activation"]
+    return {
+        "ranks": ranks,
+        "microbatches_per_rank": step["microbatches"] // ranks,
+        "records_per_rank": step["records_per_step"] // ranks,
+        "tokens_per_step": tokens,
+        "tokens_per_rank": tokens // ranks if tokens is not None else None,
+        "zero_stage": 1 if zero else 0,
+        "groups": groups,
+        "memory": {"parameter_bytes": parameter_bytes, "gradient_bytes": parameter_bytes, "state_bytes": state_bytes,
+                   "unsharded_state_bytes": sum(4 * g["state_elements"] for g in groups),
+                   "activation_bytes": peak["bytes"] if peak else None},
+        "gradients_gathered": clipped and sharded_elements > 0,
+        "bytes_sent_per_step": 4 * gathered * (ranks - 1) // ranks,
+        "stacking_degrees": stacking_degrees(step["microbatches"], ranks),
     }

@@ -248,6 +248,38 @@ def _show_kept_paths(paths: list[str]) -> str:
     return ", ".join([*inside, *(["outside modules"] if "-" in paths else [])]) or "-"
 
 
+def _render_ranks(doc: dict[str, Any]) -> list[str]:
+    r = doc["ranks"]
+    total = doc["step"]["microbatches"]
+    rows = [["ranks", f"{r['ranks']}, each running {r['microbatches_per_rank']} of the {total} microbatches of a step "
+                      f"({r['records_per_rank']} records)"]]
+    if r["tokens_per_step"] is not None:
+        rows.append(["tokens", f"{r['tokens_per_step']} per step, {r['tokens_per_rank']} per rank"])
+    memory = r["memory"]
+    states = show_bytes(memory["state_bytes"])
+    if r["zero_stage"] == 1 and memory["state_bytes"] != memory["unsharded_state_bytes"]:
+        states += f" (ZeRO-1: its shard of {show_bytes(memory['unsharded_state_bytes'])})"
+    parts = [f"parameters {show_bytes(memory['parameter_bytes'])}", f"gradients {show_bytes(memory['gradient_bytes'])}",
+             f"optimizer states {states}"]
+    fixed = memory["parameter_bytes"] + memory["gradient_bytes"] + memory["state_bytes"]
+    if memory["activation_bytes"] is not None:
+        parts.append(f"activations <= {show_bytes(memory['activation_bytes'])} for one microbatch")
+        fixed += memory["activation_bytes"]
+    rows.append(["memory per rank", f"<= {show_bytes(fixed)}: " + ", ".join(parts)])
+    sharded = [g["name"] for g in r["groups"] if g["sharded"]]
+    what = "gradients reduce-scattered and all-gathered"
+    if sharded:
+        what = (f"gradients reduce-scattered{', then all-gathered for clipping' if r['gradients_gathered'] else ''}, "
+                f"each rank updating its shard, parameters all-gathered (ZeRO-1: {', '.join(sharded)})")
+        if len(sharded) < len(r["groups"]):
+            what += "; the other gradients reduce-scattered and all-gathered"
+    rows.append(["collectives", f"each step: {what}; {show_bytes(r['bytes_sent_per_step'])} sent per rank"])
+    degrees = " or ".join(str(k) for k in r["stacking_degrees"])
+    rows.append(["stacking", f"{degrees}: the divisors of each rank's {plural(r['microbatches_per_rank'], 'microbatch', 'microbatches')} "
+                             "(a device chooses when the run opens it; the CPU runs 1)"])
+    return ["ranks:", *table(rows, 2)]
+
+
 def render_text(doc: dict[str, Any]) -> str:
     """The explain report, rendered from the document alone."""
     p, s = doc["parameters"], doc["step"]
@@ -262,6 +294,7 @@ def render_text(doc: dict[str, Any]) -> str:
         _render_parameters(doc),
         _render_graphs(doc),
         ["training step:", *table([[label, text] for _, label, text in step_rows(doc)], 2)],
+        *([_render_ranks(doc)] if "ranks" in doc else []),
         _render_diagnostics(doc),
         _render_precision(doc),
         [DEVICE_HOLE] if device is None else [render_lowering(device).rstrip("\n")],

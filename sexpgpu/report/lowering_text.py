@@ -41,7 +41,9 @@ def render_lowering(document: dict[str, Any], device: DeviceFacts | None = None)
     label_width = max([FAMILY_LABEL_WIDTH, *(len(g["group"]) for r in rows for g in r["families"])])
     under = " " * (4 + label_width + 1)
     arch = doc["arch"]
-    lines = [f"lowering: {doc['executor']} compute_{arch.removeprefix('sm_')} {doc['name'] or '(device not measured)'}, "
+    # A GPU's lowering names its compute capability; the compiled CPU target its machine (x86_64).
+    target = arch if doc["executor"] == "cpu-c" else f"compute_{arch.removeprefix('sm_')}"
+    lines = [f"lowering: {doc['executor']} {target} {doc['name'] or '(device not measured)'}, "
              f"patterns {'on' if doc['patterns'] else 'off'}"]
     train_lines: list[str] | None = None
     for row in rows:
@@ -169,7 +171,12 @@ def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     elif not capture["measured"]:
         lines.append(("capture", "not measured: a run captures each graph large enough after its tenth call"))
     compiled = doc["compiled"]
-    if compiled is not None:
+    if compiled is not None and "most_registers" not in compiled:  # C for a CPU: no registers or spills to tell
+        cached = ", from the cache" if compiled.get("from_cache") else ""
+        lines.append(("compiled", f"{plural(compiled['kernels'], 'kernel')} and {plural(compiled['functions'], 'graph function')} "
+                                  f"in one C file by {compiled['compiler']} for {doc['arch']} "
+                                  f"(-O3 -march=native -fopenmp){cached}"))
+    elif compiled is not None:
         most = compiled["most_registers"]
         spills = compiled["spills"]
         spilled = f"{len(spills)} spilling ({', '.join(spills)})" if spills else "no spills"

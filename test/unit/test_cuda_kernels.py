@@ -552,6 +552,30 @@ def test_scatter_add_f32_is_the_interpreters_sum_bit_for_bit_whatever_the_grid(d
         device.free(buf)
 
 
+FILLS = {"f32": t.fill(value=-np.inf), "bf16": t.fill(value=0.1, dtype="bf16"), "i32": t.fill(value=-1, dtype="i32")}
+
+
+@pytest.mark.parametrize("dtype", list(FILLS))
+def test_fill_writes_exactly_its_elements_at_every_offset(dtype, device, module):
+    """`fill` into a view starting at every element offset from a 16-byte boundary (a zero gradient inside the
+    flat gradient array), of counts shorter and longer than a vector: its elements set, no byte around them."""
+    program = FILLS[dtype]
+    numpy_dtype = np.dtype(NUMPY_DTYPES[dtype])
+    vec = 16 // numpy_dtype.itemsize
+    value = {"f32": -np.inf, "bf16": 0.1, "i32": -1}[dtype]
+    buffer = device.alloc(64 * numpy_dtype.itemsize, "fill target")
+    for offset in range(vec + 1):
+        for count in (1, vec - 1, vec, vec + 1, 2 * vec + 3, 33):
+            before = device.download(buffer, numpy_dtype, 64)
+            launch(device, module, program, {"out": int(buffer) + offset * numpy_dtype.itemsize, "count": count})
+            got = device.download(buffer, numpy_dtype, 64)
+            want = before.copy()
+            want[offset:offset + count] = value
+            assert got.tobytes() == want.tobytes(), (offset, count)
+    device.check_canaries()
+    device.free(buffer)
+
+
 @pytest.mark.parametrize(("program", "output", "input"), [
     (t.softmax(768), "y", "x"),
     (t.layernorm_backward(768), "dx", "dy"),

@@ -22,6 +22,7 @@ import types
 import ml_dtypes
 import numpy as np
 import pytest
+from fake_cuda_driver import cubin_parameters
 from sexpgpu.backends.cuda import driver_cuda, driver_pycuda, selection
 from sexpgpu.backends.cuda.cublaslt import GemmSpec
 from sexpgpu.backends.cuda.driver_sim import SimRuntime
@@ -553,33 +554,6 @@ def test_arguments_are_packed_as_cuLaunchKernel_reads_them():
     assert packed.address == ctypes.addressof(packed.pointers)
 
 
-def cubin_parameters(image: bytes) -> dict[str, list[tuple[int, int]]]:
-    """Each kernel's (offset, size) per parameter, read from a CUBIN's `.nv.info.<kernel>` sections
-    (EIATTR_KPARAM_INFO records: ordinal, offset, and the size in bits 18-31 of their flags)."""
-    section_offset, = struct.unpack_from("<Q", image, 0x28)
-    entry_size, count, names_index = struct.unpack_from("<HHH", image, 0x3A)
-    sections = [struct.unpack_from("<I4xQ8xQQ", image, section_offset + i * entry_size) for i in range(count)]
-    names_at = sections[names_index][2]
-    kernels = {}
-    for name_at, _, at, size in sections:
-        name = image[names_at + name_at : image.index(b"\0", names_at + name_at)].decode()
-        if not name.startswith(".nv.info."):
-            continue
-        params, end = {}, at + size
-        while at < end:
-            form, attribute = image[at], image[at + 1]
-            if form == 4:  # EIFMT_SVAL: a 16-bit length, then the value
-                length, = struct.unpack_from("<H", image, at + 2)
-                if attribute == 0x17:  # EIATTR_KPARAM_INFO
-                    _, ordinal, offset, flags = struct.unpack_from("<IHHI", image, at + 4)
-                    params[ordinal] = (offset, (flags >> 18) & 0x3FFF)
-                at += 4 + length
-            else:  # EIFMT_NVAL, _BVAL, _HVAL: the value (if any) in the record's last 2 bytes
-                at += 4
-        kernels[name.removeprefix(".nv.info.")] = [params[i] for i in sorted(params)]
-    return kernels
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_packing_matches_the_parameter_layout_nvrtc_compiles(arch):
     """What cuLaunchKernel copies from kernelParams[i] is the CUBIN's size of parameter i: the sizes the
@@ -628,10 +602,21 @@ def test_cuda_results_become_errors():
          "cuMemcpyDtoDAsync failed: CUDA_ERROR_INVALID_VALUE"),
         ((FakeResult.CUDA_ERROR_INVALID_VALUE,), "cuLaunchKernel", {"kernel": "fused_3"}, KernelLaunchError,
          "kernel fused_3: cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE"),
-        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuStreamSynchronize", {"last_kernel": "softmax_2"},
-         KernelLaunchError, "kernel softmax_2: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS; the driver "
-         "reports a kernel's fault at the next call that waits, so it is this kernel or one launched shortly "
-         "before it (CUDA_LAUNCH_BLOCKING=1 reports it at the faulting launch)"),
+        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuStreamSynchronize",
+         {"last": driver_cuda.LastLaunch("softmax_2", "model.blocks.0.attn")},
+         KernelLaunchError, "kernel softmax_2 (model path model.blocks.0.attn): cuStreamSynchronize failed: "
+         "CUDA_ERROR_ILLEGAL_ADDRESS; a kernel's fault is reported by whatever call comes next, and this is the "
+         "last kernel launched, so it is this kernel or one launched shortly before it (CUDA_LAUNCH_BLOCKING=1 "
+         "reports it at the faulting launch)"),
+        ((FakeResult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuLaunchKernel",
+         {"kernel": "fused_4", "last": driver_cuda.LastLaunch("fill_3", "model.head", graph_kernels=40)},
+         KernelLaunchError, "kernel fill_3 (model path model.head): cuLaunchKernel failed: "
+         "CUDA_ERROR_ILLEGAL_ADDRESS; a kernel's fault is reported by whatever call comes next, and this is the "
+         "last of the 40 kernels of a replayed captured graph, so it is one of them (SEXPGPU_CAPTURE=off and "
+         "CUDA_LAUNCH_BLOCKING=1 name the one)"),
+        ((FakeResult.CUDA_ERROR_OUT_OF_MEMORY,), "cuModuleLoadData (train, sm_90)", {}, driver_cuda.DriverOutOfMemory,
+         "out of device memory: cuModuleLoadData (train, sm_90) failed (CUDA_ERROR_OUT_OF_MEMORY); the model or "
+         "the batch is too large for the memory left on the device"),
         ((FakeResult.CUDA_ERROR_NO_DEVICE,), "cuInit", {}, DeviceUnavailable,
          "the cuda device cannot open: no CUDA GPU (CUDA_ERROR_NO_DEVICE)"),
         ((FakeResult.CUDA_ERROR_INSUFFICIENT_DRIVER,), "cuInit", {}, DeviceUnavailable,
@@ -770,10 +755,10 @@ def test_pycuda_where_cuda_cannot_start_is_one_line(monkeypatch, capsys, failure
 
 
 @pytest.mark.parametrize("device, driver, devices, reason", [
-    ("cuda", None, "0,1", "SEXPGPU_DEVICES=0,1 asks for 2 ranks; several ranks (data-parallel training) are a "
-                          "later issue, so give one device id"),
-    ("cuda-sim", None, "0, 1, 2, 3", "SEXPGPU_DEVICES=0, 1, 2, 3 asks for 4 ranks; several ranks (data-parallel "
-                                     "training) are a later issue, so give one device id"),
+    ("cuda", None, "0,1", "SEXPGPU_DEVICES=0,1 asks for 2 ranks, a process each: `sexpgpu run` starts them "
+                          "(docs/distributed.md)"),
+    ("cuda-sim", None, "0, 1, 2, 3", "SEXPGPU_DEVICES=0, 1, 2, 3 asks for 4 ranks, a process each: `sexpgpu run` "
+                                     "starts them (docs/distributed.md)"),
     ("cuda", None, "gpu0", "SEXPGPU_DEVICES=gpu0 is not a device id (0, 1, ...)"),
     ("cuda-sim", None, "1", "SEXPGPU_DEVICES=1, but the simulated device is device 0 alone"),
     ("cuda", "cupy", "0", "SEXPGPU_CUDA_DRIVER=cupy names no CUDA driver; use cuda-python or pycuda (the default "

@@ -525,20 +525,26 @@ def fill(*, value: float, dtype: str = "f32") -> KernelProgram:
         literal = f"sx_round<{c_type(dtype)}>({float_literal(value)})"
     vec = 16 // itemsize(dtype)
     params = (pointer_param("out", dtype, "output"), size_param("count"))
+    # `out` may be any element of a larger array (a gradient inside the flat gradient array), so the
+    # elements before its first 16-byte boundary are peeled off and stored one by one.
     template = (
         kernel_head(FLAT_THREADS, params) +
         f"    constexpr int VEC = {vec};\n"
         f"    const {c_type(dtype)} value = {literal};\n"
-        "    const long long groups = count / VEC;\n"
+        f"    const long long misaligned = (long long)(reinterpret_cast<unsigned long long>(out) % "
+        f"{PACKED_ALIGNMENT}) / (long long)sizeof(*out);\n"
+        "    const long long head = misaligned ? min((long long)VEC - misaligned, (long long)count) : 0;\n"
+        "    const long long groups = (count - head) / VEC;\n"
         f"    const long long first = (long long)blockIdx.x * {FLAT_THREADS} + threadIdx.x;\n"
         f"    for (long long g = first; g < groups; g += (long long)gridDim.x * {FLAT_THREADS}) {{\n"
-        "        sx_st_same<VEC>(out + g * VEC, value);\n"
+        "        sx_st_same<VEC>(out + head + g * VEC, value);\n"
         "    }\n"
-        "    if (first < count - groups * VEC) out[groups * VEC + first] = value;\n"
+        "    if (first < head) out[first] = value;\n"
+        "    if (first < count - head - groups * VEC) out[head + groups * VEC + first] = value;\n"
         "}\n")
     name, code = finish(f"fill_{dtype}_{value:g}", template)
     return single(KernelSource(name, "fill", code, params, lambda sizes: _flat_grid(sizes["count"] // vec),
-                               PACKED_ALIGNMENT))
+                               itemsize(dtype)))
 
 
 def copy(shape: Sequence[int], *, strides: Sequence[int] | None = None, offset: int = 0, dtype: str = "f32",

@@ -1,0 +1,228 @@
+"""The communicator data-parallel ranks reduce through (docs/distributed.md).
+
+A run of N ranks is N processes, one per device (or CPU rank), each holding
+the whole model; they meet only here. Every collective is one of MPI's,
+called through mpi4py (the `mpi` extra, over MPICH from its wheel), never
+one written here:
+
+- `SingleProcess`: one rank; every collective is the identity, and nothing
+  of MPI is imported (a plain `sexpgpu run` needs no extra).
+- `MpiCommunicator`: `MPI.COMM_WORLD` of the processes a launcher started
+  (`mpiexec`, or `sexpgpu run --ranks N`, which runs the mpich wheel's
+  `mpiexec`). Device arrays are reduced through host buffers (on a GPU,
+  host staging).
+
+Gradients are summed by reduce-scatter then all-gather (`sum_into`): each
+element is added by exactly one rank in MPI's fixed order and copied to the
+others, so every rank holds bit-identical parameters afterwards whatever
+the rank count — an `Allreduce` promises that only for some algorithms.
+The ring all-reduce that NCCL and MPI run for large buffers is these two
+steps too, so it moves no more bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..diagnostics import SxError
+
+#: The install command the one-line error for a missing MPI names.
+MPI_INSTALL = "pip install -e '.[mpi]'"
+
+#: (rank variable, size variable) of each launcher whose environment a rank reads, in this order:
+#: MPICH's hydra (`mpiexec`, and `sexpgpu run --ranks N`), Open MPI's `mpirun`.
+MPI_LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+#: The variables of a `torchrun`-style launcher (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE")
+#: The local-rank variables (the rank among the ranks on one machine: the device it opens).
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK")
+
+
+def shard_bounds(count: int, ranks: int) -> list[tuple[int, int]]:
+    """How `count` elements split into `ranks` consecutive shards: the first `count % ranks` shards
+    one element longer (MPI's block distribution)."""
+    base, extra = divmod(count, ranks)
+    bounds, start = [], 0
+    for rank in range(ranks):
+        stop = start + base + (1 if rank < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Communicator(ABC):
+    """The ranks of one run: this process's `rank` among `size`, and the collectives they share."""
+
+    rank: int
+    size: int
+    #: What the ranks reduce through, as reports name it ("none", "MPI").
+    transport: str
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this rank writes the run record (rank 0)."""
+        return self.rank == 0
+
+    @abstractmethod
+    def sum_into(self, buffer: np.ndarray) -> None:
+        """Replace the 1-D float32 `buffer` by its element-wise sum over the ranks (bit-identical on
+        every rank)."""
+
+    @abstractmethod
+    def reduce_scatter(self, buffer: np.ndarray, shard: np.ndarray) -> None:
+        """Write into `shard` this rank's shard (`shard_bounds`) of the sum of `buffer` over the ranks."""
+
+    @abstractmethod
+    def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
+        """Fill `buffer` with every rank's `shard`, in rank order (`shard_bounds`)."""
+
+    @abstractmethod
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        """Replace `buffer` on every rank by rank `root`'s."""
+
+    @abstractmethod
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        """The sums over the ranks of a few float64 values (metrics, counters, flags)."""
+
+    @abstractmethod
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        """Rank `root`'s `value` (a small picklable object) on every rank."""
+
+    @abstractmethod
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value` in rank order on rank 0; None on the others."""
+
+    @abstractmethod
+    def abort(self, code: int) -> None:
+        """End every rank of the run at once with exit status `code` (a rank failed alone)."""
+
+
+class SingleProcess(Communicator):
+    """One rank: nothing to share."""
+
+    rank = 0
+    size = 1
+    transport = "none"
+
+    def sum_into(self, buffer: np.ndarray) -> None:
+        pass
+
+    def reduce_scatter(self, buffer: np.ndarray, shard: np.ndarray) -> None:
+        shard[...] = buffer
+
+    def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
+        buffer[...] = shard
+
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        pass
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        return [float(value) for value in values]
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        return value
+
+    def gather(self, value: Any) -> list[Any] | None:
+        return [value]
+
+    def abort(self, code: int) -> None:
+        raise SystemExit(code)
+
+
+class MpiCommunicator(Communicator):
+    """The processes of `MPI.COMM_WORLD`."""
+
+    transport = "MPI"
+
+    def __init__(self, mpi: Any) -> None:
+        self._mpi = mpi
+        self._comm = mpi.COMM_WORLD
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+
+    def _counts(self, count: int) -> tuple[list[int], list[int]]:
+        bounds = shard_bounds(count, self.size)
+        return [stop - start for start, stop in bounds], [start for start, _ in bounds]
+
+    def sum_into(self, buffer: np.ndarray) -> None:
+        start, stop = shard_bounds(buffer.size, self.size)[self.rank]
+        shard = np.empty(stop - start, dtype=buffer.dtype)
+        self.reduce_scatter(buffer, shard)
+        self.all_gather(shard, buffer)
+
+    def reduce_scatter(self, buffer: np.ndarray, shard: np.ndarray) -> None:
+        counts, _ = self._counts(buffer.size)
+        self._comm.Reduce_scatter(buffer, shard, counts, op=self._mpi.SUM)
+
+    def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
+        counts, displacements = self._counts(buffer.size)
+        self._comm.Allgatherv(shard, [buffer, counts, displacements, self._mpi.FLOAT])
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        summed = np.asarray(values, dtype=np.float64)
+        self._comm.Allreduce(self._mpi.IN_PLACE, summed, op=self._mpi.SUM)
+        return summed.tolist()
+
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        self._comm.Bcast(buffer, root=root)
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        return self._comm.bcast(value, root=root)
+
+    def gather(self, value: Any) -> list[Any] | None:
+        return self._comm.gather(value, root=0)
+
+    def abort(self, code: int) -> None:
+        self._comm.Abort(code)
+
+
+def launcher_world() -> tuple[int, int, str] | None:
+    """(rank, size, the launcher's variables) where a launcher started this process as one of
+    several ranks; None for a lone process."""
+    for rank_variable, size_variable in (*MPI_LAUNCHER_VARIABLES, TORCHRUN_VARIABLES):
+        rank, size = os.environ.get(rank_variable), os.environ.get(size_variable)
+        if rank is not None and size is not None and rank.isdigit() and size.isdigit():
+            return int(rank), int(size), f"{rank_variable}/{size_variable}"
+    return None
+
+
+def local_rank() -> int:
+    """This rank's index among the ranks on its machine (0 for a lone process)."""
+    for variable in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(variable)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def import_mpi(ranks: int) -> Any:
+    """mpi4py's `MPI` module (initializing MPI); a one-line error naming the extra without it."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise SxError(f"{ranks} ranks need MPI (mpi4py and an MPI library); install them with "
+                      f"`{MPI_INSTALL}`") from None
+    return MPI
+
+
+def open_communicator() -> Communicator:
+    """The communicator of this process: MPI's world when a launcher started it among several ranks,
+    else a single process."""
+    world = launcher_world()
+    if world is None or world[1] == 1:
+        return SingleProcess()
+    rank, size, variables = world
+    if variables == "/".join(TORCHRUN_VARIABLES):
+        raise SxError(f"{variables} say this is rank {rank} of {size}, but ranks meet through MPI: start "
+                      f"them with `mpiexec -n {size} sexpgpu run ...` or `sexpgpu run --ranks {size}` "
+                      "(docs/distributed.md)")
+    communicator = MpiCommunicator(import_mpi(size))
+    if communicator.size != size:
+        raise SxError(f"{variables} say {size} ranks, but MPI's world has {communicator.size}: is mpi4py "
+                      "built against another MPI than the launcher's?")
+    return communicator
