@@ -34,6 +34,10 @@ Everything is fixed by the run seed: the initial parameters, the loaders'
 draws (keyed by position) and the graphs. Two runs, or a run and its resumed
 continuation, give bit-identical losses.
 
+On several data-parallel ranks (`world`, docs/distributed.md) each rank runs
+its share of the step's microbatches and backends/ranks.py sums the
+gradients, metrics and evaluations over the ranks; rank 0 writes the record.
+
 Stopping: Ctrl-C finishes the current step, writes a checkpoint and an `end`
 event `interrupted` (a second Ctrl-C stops at once); a non-finite loss or
 metric ends the run `diverged`, naming the step and the metric; any other

@@ -198,3 +198,13 @@ def test_a_rank_record_holds_the_pid_and_last_words(monkeypatch, tmp_path):
     record = ranks.RankRecord(_Rank(1, 2))
     record.say("in step 7")
     assert ranks.read_rank_records(tmp_path) == {1: (os.getpid(), "in step 7")}
+
+
+def test_the_explain_document_with_ranks_validates_against_its_schema(capsys):
+    import jsonschema
+    from sexpgpu.tools.main import main
+
+    assert main(["explain", str(ROOT / "test" / "lit" / "reports" / "small.sx"), "--ranks", "2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, json.loads((ROOT / "sexpgpu" / "schemas" / "explain.schema.json").read_text()))
+    assert document["ranks"]["zero_stage"] == 1 and document["ranks"]["tokens_per_rank"] == 20
