@@ -40,6 +40,7 @@ ELEMENTWISE_KINDS = ("pointwise", "multi_tensor_update")
 #: Bases of a graph's operands: the arena, the workspace, then inputs, constants and externals.
 ARENA, WORKSPACE, FIRST_INPUT = 0, 1, 2
 ALIGNMENT = 64
+_BASE = re.compile(r"<(arena|input|const|external) (\d+)>")
 
 GEMM_PRELUDE = r"""
 typedef void (*sx_sgemm_fn)(int, int, int, long long, long long, long long, float, const float*, long long,
@@ -174,17 +175,18 @@ class GraphLayout:
     def input_types(self) -> list[tuple[str, str, TensorType]]:
         return [(input_name(op), input_role(op), op.result.type) for op in self.inputs]
 
-    def base_index(self, place: Place) -> int:
+    def base_index(self, kind: str, index: int) -> int:
         first = {"input": FIRST_INPUT, "const": FIRST_INPUT + len(self.inputs),
                  "external": FIRST_INPUT + len(self.inputs) + len(self.constants)}
-        return ARENA if place.kind == "arena" else first[place.kind] + place.index
+        return ARENA if kind == "arena" else first[kind] + index
 
     def pointer(self, value: Value, const: bool = False) -> str:
-        """C for a typed pointer to `value`'s first element during a call."""
+        """C for a typed pointer to `value`'s first element during a call. Its base is written `<kind index>`
+        until `code` numbers the bases (inputs, constants and externals are known once the graph is read)."""
         place = self._places[value]
         ctype = STORAGE[value.type.dtype]
         offset = f" + {place.offset}" if place.offset else ""
-        return f"({'const ' if const else ''}{ctype}*)(base[{self.base_index(place)}]{offset})"
+        return f"({'const ' if const else ''}{ctype}*)(base[<{place.kind} {place.index}>]{offset})"
 
     # -- reading the IR ------------------------------------------------------------------------------
 
@@ -327,7 +329,7 @@ class GraphLayout:
         if profiled:  # each step's process CPU seconds added into the module's counters (`sx_profile`)
             statements = [f"{{ const double t0 = sx_cpu_seconds(); {text} sx_seconds[{self.profile_start + i}] += "
                           "sx_cpu_seconds() - t0; }" for i, text in enumerate(statements)]
-        body = "\n    ".join(statements)
+        body = _BASE.sub(lambda m: str(self.base_index(m.group(1), int(m.group(2)))), "\n    ".join(statements))
         if not self.gemms:
             return f"void {self.function}(char* const* base) {{\n    {body}\n}}\n"
         return (f"void {self.function}(char* const* base) {{\n"

@@ -67,9 +67,7 @@ CASES = [
     pytest.param("tiny-gpt.sx", "smoke", [], 1e-5, id="tiny-gpt-f32"),
     pytest.param("tiny-gpt.sx", "smoke", ["precision=bf16"], 2e-2, id="tiny-gpt-bf16"),
     pytest.param("mlp-classifier.sx", "smoke", [], 1e-5, id="mlp-classifier"),
-    pytest.param("gpt.sx", "smoke", ["layers=1", "width=64", "seq=32", "batch=2"], 1e-5, id="spec-gpt-f32"),
-    pytest.param("gpt.sx", "smoke", ["layers=1", "width=64", "seq=32", "batch=2", "precision=bf16"], 2e-2,
-                 id="spec-gpt-bf16"),
+    pytest.param("gpt.sx", "smoke", [], 1e-5, id="spec-gpt-f32"),
 ]
 
 
@@ -86,7 +84,7 @@ def test_training_matches_the_interpreter(example, variant, sets, tolerance):
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    sets = ["layers=1", "width=64", "seq=32", "batch=2"]
+    sets = ["layers=1", "width=64", "seq=32"]
     one = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=1)
     two = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=2)
     assert one[0] == two[0]
@@ -100,14 +98,14 @@ def test_a_run_resumes_across_devices(tmp_path, first, then):
     sets = ["steps=6", "checkpoint-every=3", "eval-every=100", "diagnose-every=3"]
     whole = train(example, variant="smoke", sets=sets, out=tmp_path / "whole", device=first, stream=io.StringIO(),
                   interactive=False)
-    assert whole.status == "completed"
+    assert whole.status == "done"
     half = train(example, variant="smoke", sets=[*sets, "steps=3"], out=tmp_path / "half", device=first,
                  stream=io.StringIO(), interactive=False)
-    assert half.status == "completed"
+    assert half.status == "done"
     assert list_checkpoints(tmp_path / "half")
     resumed = train(example, variant="smoke", sets=sets, resume=tmp_path / "half", device=then,
                     stream=io.StringIO(), interactive=False)
-    assert resumed.status == "completed"
+    assert resumed.status == "done"
     want = {e["step"]: e["loss"] for e in read_events(tmp_path / "whole" / "events.jsonl") if e["type"] == "step"}
     got = {e["step"]: e["loss"] for e in read_events(tmp_path / "half" / "events.jsonl") if e["type"] == "step"}
     assert sorted(got) == sorted(want) == list(range(1, 7))
