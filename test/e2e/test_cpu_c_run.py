@@ -152,3 +152,17 @@ def test_explain_prints_the_lowering_report():
     report = done.stdout[done.stdout.index("lowering: cpu-c"):]
     assert "row programs" in report and "cross-entropy tail" in report and "GEMMs" in report
     assert "in one C file by" in report
+
+
+def test_explain_json_follows_the_schema():
+    import json
+
+    import jsonschema
+
+    done = sexpgpu("explain", "examples/tiny-gpt.sx", "--variant", "smoke", "--device", "cpu-c", "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    schema = json.loads((ROOT / "sexpgpu" / "schemas" / "explain.schema.json").read_text())
+    jsonschema.validate(document, schema)
+    assert document["device"]["executor"] == "cpu-c"
+    assert document["device"]["compiled"]["kernels"] > 0
