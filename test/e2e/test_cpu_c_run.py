@@ -166,3 +166,13 @@ def test_explain_json_follows_the_schema():
     jsonschema.validate(document, schema)
     assert document["device"]["executor"] == "cpu-c"
     assert document["device"]["compiled"]["kernels"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cpu", "--threads", "2"], "error: --threads sets the threads of --device cpu-c, not of --device cpu"),
+    (["--device", "cpu-c", "--threads", "0"], "argument --threads: '0' is not a positive integer"),
+])
+def test_threads_usage_errors(tmp_path, args, message):
+    done = sexpgpu("run", "examples/tiny-gpt.sx", "--variant", "smoke", "--out", str(tmp_path / "r"), *args)
+    assert done.returncode == 2
+    assert message in done.stderr
