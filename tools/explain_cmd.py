@@ -1,4 +1,4 @@
-"""`sexpgpu explain FILE [selection] [--json] [--device cpu|cuda|cuda-sim [--target ARCH]]`: what the compiler made of a file.
+"""`sexpgpu explain FILE [selection] [--json] [--device cpu|cpu-c|cuda|cuda-sim [--target ARCH]]`: what the compiler made of a file.
 
 It runs the training pipeline and then the `explain` dump pass, exactly what
 `sexpgpu-opt FILE -p '<training pipeline>,explain'` runs, so the two print
@@ -32,7 +32,8 @@ from .common import add_device_flag, add_ranks_flag, requested_ranks
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    add_device_flag(parser, "cpu: the device hole; cuda, cuda-sim: the lowering report, which opens the device unless --target")
+    add_device_flag(parser, "cpu: the device hole; cpu-c, cuda, cuda-sim: the lowering report, which opens the device "
+                            "unless --target")
     parser.add_argument("--target", metavar="ARCH",
                         help="with --device cuda: lower and compile for ARCH (sm_80, sm_90) without opening a device")
     add_ranks_flag(parser, "add how a step splits over N data-parallel ranks (default: 1, or one per SEXPGPU_DEVICES id)")

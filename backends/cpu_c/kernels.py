@@ -2,7 +2,7 @@
 
 Every `kern.kernel` symbol becomes one `static void` C function taking its inputs then its outputs as typed
 pointers (`render_kernel`). Storage is f32, bf16 (`uint16_t`), f16, integers or booleans; every float is
-loaded into f32, computed in f32 and rounded once when stored, as on the GPU (`passes/emit_cuda/fused.py`
+loaded into f32, computed in f32 and rounded once when stored, as on the GPU (`backends/cuda/render/fused.py`
 says the same of its CUDA); math is the C library's single-precision functions (compiled without
 fast-math, so NaNs and infinities behave as numpy's).
 

@@ -28,7 +28,7 @@ from ...dialects.graph import emit_collection, emit_name, graph_funcs, input_nam
 from ...dialects.graph_semantics import numpy_dtypes
 from ...dialects.index_maps import Expr
 from ...dialects.kern import BODY_KINDS, find_kernel, gemm_dims
-from .kernels import PRELUDE, STORAGE, FusedKernel, UnsupportedKernel, load, parameters, store
+from .kernels import PRELUDE, STORAGE, FusedKernel, UnsupportedKernel, parameters
 from .templates import template_code
 
 #: Views that cost nothing: the same bytes read as another shape.
@@ -40,6 +40,9 @@ ELEMENTWISE_KINDS = ("pointwise", "multi_tensor_update")
 #: Bases of a graph's operands: the arena, the workspace, then inputs, constants and externals.
 ARENA, WORKSPACE, FIRST_INPUT = 0, 1, 2
 ALIGNMENT = 64
+#: The dtype codes `sx_gemm_step` takes.
+DTYPE_CODES = {"f32": 0, "bf16": 1, "f16": 2}
+_BASE = re.compile(r"<(arena|input|const|external) (\d+)>")
 
 GEMM_PRELUDE = r"""
 typedef void (*sx_sgemm_fn)(int, int, int, long long, long long, long long, float, const float*, long long,
@@ -88,9 +91,49 @@ static void sx_gemm(int ta, int tb, long long m, long long n, long long k, long 
     }
 }
 
-static void sx_widen_bf16(float* out, const uint16_t* in, long long count) {
+/* Element i of an array of dtype code `dtype` (0 f32, 1 bf16, 2 f16) as f32, and the store back. */
+static inline float sx_get(int dtype, const void* p, long long i) {
+    return dtype == 0 ? ((const float*)p)[i] : dtype == 1 ? sx_bf16_f32(((const uint16_t*)p)[i])
+                                                          : (float)((const _Float16*)p)[i];
+}
+static void sx_widen(float* out, int dtype, const void* in, long long count) {
     #pragma omp parallel for schedule(static) if(count >= 32768)
-    for (long long i = 0; i < count; ++i) out[i] = sx_bf16_f32(in[i]);
+    for (long long i = 0; i < count; ++i) out[i] = sx_get(dtype, in, i);
+}
+
+/* A kern.gemm: d = alpha op(a) op(b) (+ c when given) (+ bias, a row vector, when given), computed in f32
+   (16-bit operands widened into `work` first) and rounded once into d's dtype. */
+static __attribute__((noinline)) void sx_gemm_step(int ta, int tb, long long m, long long n, long long k, long long batch, float alpha,
+                         int a_dtype, const void* a, long long a_count, long long stride_a,
+                         int b_dtype, const void* b, long long b_count, long long stride_b,
+                         int c_dtype, const void* c, int bias_dtype, const void* bias,
+                         int d_dtype, void* d, char* work) {
+    const long long total = batch * m * n;
+    const float* fa = (const float*)a;
+    const float* fb = (const float*)b;
+    if (a_dtype != 0) {
+        float* wa = (float*)work;
+        float* wb = (float*)(work + (a_count * 4 + 63) / 64 * 64);
+        sx_widen(wa, a_dtype, a, a_count);
+        sx_widen(wb, b_dtype, b, b_count);
+        work += (a_count * 4 + 63) / 64 * 64 + (b_count * 4 + 63) / 64 * 64;
+        fa = wa;
+        fb = wb;
+    }
+    float* dd = d_dtype == 0 ? (float*)d : (float*)work;
+    if (c != 0 && (const void*)c != (const void*)dd) sx_widen(dd, c_dtype, c, total);
+    sx_gemm(ta, tb, m, n, k, batch, alpha, fa, stride_a, fb, stride_b, c != 0 ? 1.0f : 0.0f, dd);
+    if (bias != 0) {
+        #pragma omp parallel for schedule(static) if(total >= 32768)
+        for (long long r = 0; r < total / n; ++r)
+            for (long long j = 0; j < n; ++j) dd[r * n + j] += sx_get(bias_dtype, bias, j);
+    }
+    if (d_dtype == 1) {
+        #pragma omp parallel for schedule(static) if(total >= 32768)
+        for (long long i = 0; i < total; ++i) ((uint16_t*)d)[i] = sx_f32_bf16(dd[i]);
+    } else if (d_dtype == 2) {
+        for (long long i = 0; i < total; ++i) ((_Float16*)d)[i] = (_Float16)dd[i];
+    }
 }
 """
 
@@ -163,7 +206,6 @@ class GraphLayout:
         self.launched: list[tuple[str, str]] = []
         self.gemms = 0
         self._places: dict[Value, Place] = {}
-        self._workspace_used = 0
         for op in func.body.ops:
             self._add(op)
 
@@ -174,17 +216,18 @@ class GraphLayout:
     def input_types(self) -> list[tuple[str, str, TensorType]]:
         return [(input_name(op), input_role(op), op.result.type) for op in self.inputs]
 
-    def base_index(self, place: Place) -> int:
+    def base_index(self, kind: str, index: int) -> int:
         first = {"input": FIRST_INPUT, "const": FIRST_INPUT + len(self.inputs),
                  "external": FIRST_INPUT + len(self.inputs) + len(self.constants)}
-        return ARENA if place.kind == "arena" else first[place.kind] + place.index
+        return ARENA if kind == "arena" else first[kind] + index
 
     def pointer(self, value: Value, const: bool = False) -> str:
-        """C for a typed pointer to `value`'s first element during a call."""
+        """C for a typed pointer to `value`'s first element during a call. Its base is written `<kind index>`
+        until `code` numbers the bases (inputs, constants and externals are known once the graph is read)."""
         place = self._places[value]
         ctype = STORAGE[value.type.dtype]
         offset = f" + {place.offset}" if place.offset else ""
-        return f"({'const ' if const else ''}{ctype}*)(base[{self.base_index(place)}]{offset})"
+        return f"({'const ' if const else ''}{ctype}*)(base[<{place.kind} {place.index}>]{offset})"
 
     # -- reading the IR ------------------------------------------------------------------------------
 
@@ -259,75 +302,42 @@ class GraphLayout:
         accumulate = attrs["beta"] != 0
         (d_place,) = self._result_places(op)
         self._reads(op, [False, False] + ([False] if has_bias else []) + ([True] if accumulate else []), [d_place])
-        self._workspace_used = 0
         self.statements.append(self._gemm_code(op, has_bias, accumulate))
         m, n, k = gemm_dims(op)
         self.labels.append(f"gemm {attrs['batch']}x{m}x{n}x{k} {op.results[0].type.dtype} {attrs.get('path', '')}")
         self.gemms += 1
 
     def _gemm_code(self, op: Operation, has_bias: bool, accumulate: bool) -> str:
+        """One call of `sx_gemm_step`: operand dtypes as codes, bf16 operands widened into the workspace."""
         attrs = op.attributes
         m, n, k = gemm_dims(op)
         a, b = op.operands[0], op.operands[1]
         d = op.results[0]
         batch = int(attrs["batch"])
-        stride_a = 0 if a.type.rank == 2 else m * k
-        stride_b = 0 if b.type.rank == 2 else k * n
         total = batch * m * n
-        lines = ["{"]
-        if a.type.dtype == "f32":
-            pa, pb = self.pointer(a, const=True), self.pointer(b, const=True)
-        else:  # bf16 (or f16) operands: widened into the workspace, the product made in f32
-            pa, pb = self._widened(lines, a), self._widened(lines, b)
-        if d.type.dtype == "f32":
-            lines.append(f"    float* dd = {self.pointer(d)};")
-        else:
-            lines.append(f"    float* dd = (float*)(base[{WORKSPACE}] + {self._workspace(total * 4)});")
-        if accumulate:
-            c = op.operands[-1]
-            lines.append(f"    const {STORAGE[c.type.dtype]}* cc = {self.pointer(c, const=True)};")
-            lines.append(f"    if ((const void*)cc != (const void*)dd) for (long long i = 0; i < {total}LL; ++i) "
-                         f"dd[i] = {load(c.type.dtype, 'cc', 'i')};")
-        lines.append(f"    sx_gemm({int(bool(attrs['transpose_a']))}, {int(bool(attrs['transpose_b']))}, {m}, {n}, {k}, "
-                     f"{batch}, {float(attrs['alpha'])!r}f, {pa}, {stride_a}, {pb}, {stride_b}, "
-                     f"{1.0 if accumulate else 0.0}f, dd);")
-        if has_bias:
-            bias = op.operands[2]
-            lines.append(f"    const {STORAGE[bias.type.dtype]}* bias = {self.pointer(bias, const=True)};")
-            lines.append(f"    for (long long r = 0; r < {total // n}LL; ++r)")
-            lines.append("        #pragma omp simd")
-            lines.append(f"        for (long long j = 0; j < {n}LL; ++j) dd[r * {n}LL + j] += {load(bias.type.dtype, 'bias', 'j')};")
-        if d.type.dtype != "f32":
-            lines.append(f"    {STORAGE[d.type.dtype]}* out = {self.pointer(d)};")
-            lines.append(f"    for (long long i = 0; i < {total}LL; ++i) {store(d.type.dtype, 'out', 'i', 'dd[i]')}")
-        lines.append("}")
-        return "\n    ".join(lines)
+        widened = a.type.dtype != "f32"
+        workspace = (aligned(a.type.numel * 4) + aligned(b.type.numel * 4) if widened else 0)
+        workspace += aligned(total * 4) if d.type.dtype != "f32" else 0
+        self.workspace_bytes = max(self.workspace_bytes, workspace)
+        c = op.operands[-1] if accumulate else None
+        bias = op.operands[2] if has_bias else None
 
-    def _widened(self, lines: list[str], value: Value) -> str:
-        count = value.type.numel
-        offset = self._workspace(count * 4)
-        name = f"w{len(lines)}"
-        lines.append(f"    float* {name} = (float*)(base[{WORKSPACE}] + {offset});")
-        if value.type.dtype == "bf16":
-            lines.append(f"    sx_widen_bf16({name}, {self.pointer(value, const=True)}, {count}LL);")
-        else:
-            lines.append(f"    for (long long i = 0; i < {count}LL; ++i) {name}[i] = {load(value.type.dtype, self.pointer(value, const=True), 'i')};")
-        return name
+        def operand(value: Value | None) -> str:
+            if value is None:
+                return "0, 0"
+            return f"{DTYPE_CODES[value.type.dtype]}, {self.pointer(value, const=True)}"
 
-    def _workspace(self, nbytes: int) -> int:
-        """A range of the GEMM workspace for the step being written (steps run one after another, so each
-        GEMM's ranges start at 0 again)."""
-        offset = self._workspace_used
-        self._workspace_used = offset + aligned(nbytes)
-        self.workspace_bytes = max(self.workspace_bytes, self._workspace_used)
-        return offset
+        return (f"sx_gemm_step({int(bool(attrs['transpose_a']))}, {int(bool(attrs['transpose_b']))}, {m}, {n}, {k}, "
+                f"{batch}, {float(attrs['alpha'])!r}f, {operand(a)}, {a.type.numel}, {0 if a.type.rank == 2 else m * k}, "
+                f"{operand(b)}, {b.type.numel}, {0 if b.type.rank == 2 else k * n}, {operand(c)}, {operand(bias)}, "
+                f"{DTYPE_CODES[d.type.dtype]}, {self.pointer(d)}, base[{WORKSPACE}]);")
 
     def code(self, profiled: bool = False) -> str:
         statements = self.statements
         if profiled:  # each step's process CPU seconds added into the module's counters (`sx_profile`)
             statements = [f"{{ const double t0 = sx_cpu_seconds(); {text} sx_seconds[{self.profile_start + i}] += "
                           "sx_cpu_seconds() - t0; }" for i, text in enumerate(statements)]
-        body = "\n    ".join(statements)
+        body = _BASE.sub(lambda m: str(self.base_index(m.group(1), int(m.group(2)))), "\n    ".join(statements))
         if not self.gemms:
             return f"void {self.function}(char* const* base) {{\n    {body}\n}}\n"
         return (f"void {self.function}(char* const* base) {{\n"
@@ -403,7 +413,8 @@ def render_module(module: Operation, profiled: bool = False) -> Rendered:
 def kernel_code(kernel: Operation) -> str:
     """One kernel's C function."""
     attrs = kernel.attributes
-    head = f"static void {kernel_function(attrs['sym_name'])}({', '.join(parameters(kernel))}) {{\n"
+    # Not inlined into the graphs that launch it: each kernel is compiled once however many graphs call it.
+    head = f"static __attribute__((noinline)) void {kernel_function(attrs['sym_name'])}({', '.join(parameters(kernel))}) {{\n"
     if attrs["kind"] in BODY_KINDS or attrs["kind"] == "copy":
         body = FusedKernel(kernel).code()
     else:

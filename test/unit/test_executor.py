@@ -83,7 +83,7 @@ def test_the_cuda_refusal_is_the_registry_answer(registry, monkeypatch):
 
 
 def test_an_unknown_device_is_a_usage_error():
-    with pytest.raises(UsageError, match="--device must be cpu, cuda or cuda-sim, not tpu"):
+    with pytest.raises(UsageError, match="--device must be cpu, cpu-c, cuda or cuda-sim, not tpu"):
         require_available("tpu", "run")
 
 
