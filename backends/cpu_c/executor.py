@@ -29,7 +29,7 @@ import numpy as np
 
 from ...diagnostics import SxError, UsageError
 from ...dialects.core import Operation, Region, TensorType
-from ...dialects.graph import graph_funcs, input_name, input_role, return_names
+from ...dialects.graph import graph_funcs, input_name, input_role, is_derived, return_names
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, run_pipeline
 from ...passes.pipelines import CPU_C_LOWERING
@@ -97,9 +97,9 @@ class CpuCExecutor(Executor):
     def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
         name = str(func.attributes["sym_name"])
         module = _module_of(func)
-        lowered = self._lowered(module) if module is not None else None
+        lowered = self._lowered(module) if module is not None and not is_derived(func) else None
         if lowered is None or name not in lowered.layouts:
-            # Alone: the driver's own graphs, and update graphs the lowering merged into their group's (which
+            # Alone: the graphs the run pipeline derived for the driver (`derived`), and update graphs the lowering merged into their group's (which
             # a run calls only for a parameter outside every flat group), lowered and compiled when first called.
             return DeferredExecutable(self, func)
         return self._executable(lowered, name)
@@ -123,7 +123,13 @@ class CpuCExecutor(Executor):
         known = self._modules.get(id(module))
         if known is not None and known[0] is module:
             return known[1]
-        lowered = self._lower(module.clone())
+        # The experiment's graphs, lowered together once; a derived graph is lowered alone when first called
+        # (as the CUDA executor does), so the report counts each kernel once.
+        experiment = Operation.create("builtin.module", regions=[Region.with_block()])
+        for op in module.body.ops:
+            if not (op.name == "graph.func" and is_derived(op)):
+                experiment.body.append(op.clone())
+        lowered = self._lower(experiment)
         self._modules[id(module)] = (module, lowered)
         if self.experiment is None and any(op.name == "exp.run" for op in module.body.ops):
             self.experiment = lowered
