@@ -25,6 +25,7 @@ from sexpgpu.dialects.core import tune_gc_for_large_ir
 from sexpgpu.passes import load_all
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
+from sexpgpu.targets import register_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,7 @@ def main() -> None:
     PassManager(parse_pipeline(TRAINING_PIPELINE)).run(unit)
     training = time.perf_counter() - start
     load_all()
+    register_targets()
     lowering = CUDA_LOWERING
     manager = PassManager(parse_pipeline(lowering), timing=True, log=io.StringIO())
     manager.run(unit)
