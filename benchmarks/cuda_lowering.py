@@ -25,6 +25,7 @@ from sexpgpu.dialects.core import tune_gc_for_large_ir
 from sexpgpu.passes import load_all
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
 from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
+
 from sexpgpu.targets import register_targets
 
 ROOT = Path(__file__).resolve().parents[1]

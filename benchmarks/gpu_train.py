@@ -247,6 +247,7 @@ def build_lowering(plan: Any) -> dict[str, Any]:
         return {"lowering": f"{NOT_MEASURED}: this build has no CUDA lowering pipeline"}
     from sexpgpu.backends.cuda.nvrtc import compile_cubin
     from sexpgpu.passes.manager import CompilationUnit, run_pipeline
+
     from sexpgpu.targets import register_targets
 
     register_targets()

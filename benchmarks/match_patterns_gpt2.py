@@ -30,6 +30,7 @@ from sexpgpu.dialects.printer import print_module  # noqa: E402
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline  # noqa: E402
 from sexpgpu.passes.patterns import memo  # noqa: E402
 from sexpgpu.passes.pipelines import TRAINING_PIPELINE  # noqa: E402
+
 from sexpgpu.targets import register_targets  # noqa: E402
 
 register_targets()
