@@ -304,8 +304,12 @@ class ShardedUpdates:
         """This rank's shards of whole states (a checkpoint's, written on any rank count)."""
         for group in self.groups:
             for state in group.state_names:
-                whole = np.concatenate([np.asarray(states[f"{path}/{state}"], dtype=np.float32).reshape(-1)
-                                        for path in group.paths])
+                # The group's span as the flat arrays lay it out: each member at its (aligned) place, gaps zero.
+                whole = np.zeros(group.stop - group.start, dtype=np.float32)
+                for path in group.paths:
+                    start, stop = self.flat_bounds[path]
+                    whole[start - group.start:stop - group.start] = np.asarray(
+                        states[f"{path}/{state}"], dtype=np.float32).reshape(-1)
                 self.executor.write(group.states[state], whole[group.shard[0] - group.start:
                                                                group.shard[1] - group.start])
 

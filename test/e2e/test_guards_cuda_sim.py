@@ -21,6 +21,8 @@ import pytest
 from sexpgpu.backends.events import read_events
 from sexpgpu.backends.training import train
 
+from sexpgpu.report.lowering_text import lowering_text
+
 EXPERIMENT = """\
 (defloader data :source (npy-file "data.npz") :fields ((x [16] f32) (t [] i32)) :batch 8)
 (defmodule net ()
@@ -48,7 +50,8 @@ EXPERIMENT = """\
 def losses(source: Path, out: Path, device: str) -> tuple[list[float], str]:
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        result = train(str(source), out=out, device=device, stream=io.StringIO(), interactive=False)
+        result = train(str(source), out=out, device=device, stream=io.StringIO(), interactive=False,
+                       lowering_text=lowering_text)
     assert result.status == "done", result.message
     return [e["loss"] for e in read_events(out / "events.jsonl") if e["type"] == "step"], stderr.getvalue()
 

@@ -29,7 +29,7 @@ from cuda_lowering_harness import (
 )
 from sexpgpu.backends.cuda.nvrtc import compile_cubin
 from sexpgpu.dialects.parser import parse_module
-from sexpgpu.passes.flat_updates import flat_update_graph
+from sexpgpu.passes.flat_updates import flat_update_graph, param_type
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
 from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
 
@@ -112,7 +112,8 @@ def run_on_sim(reference_module, lowered_module, index_bound: int) -> SimRunner:
         if "members" in func.attributes:
             group = func.attributes["group"]
             members = [graph(reference_module, f"update/{group}/{m['path']}") for m in func.attributes["members"]]
-            flat = flat_update_graph(members, sum(m["numel"] for m in func.attributes["members"]))
+            # Over the group's span: its members laid out as the flat arrays are, each aligned.
+            flat = flat_update_graph(members, param_type(func).numel)
             reference_module.body.append(flat)
             hint_values(reference_module)
         reference = graph(reference_module, name)
