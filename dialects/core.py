@@ -589,3 +589,21 @@ class Builder:
     def value(self, name: str, *operands: Value, loc: Location | None = None, **attributes: Any) -> Value:
         """Create a single-result op and return its result."""
         return self.create(name, operands, attributes, loc=loc).result
+
+
+def module_holding(ops: Sequence[Operation]) -> Operation:
+    """A new `builtin.module` holding copies of `ops` (top-level ops of modules, in order, sharing one value
+    map): a lowering rewrites what it lowers, and the module the copies came from stays as it was."""
+    module = Operation.create("builtin.module", regions=[Region.with_block()])
+    values: dict[Value, Value] = {}
+    for op in ops:
+        module.body.append(op.clone(values))
+    return module
+
+
+def enclosing_module(op: Operation) -> Operation | None:
+    """The `builtin.module` whose body holds `op`, if any."""
+    block = op.parent
+    region = block.parent if block is not None else None
+    owner = region.parent if region is not None else None
+    return owner if owner is not None and owner.name == "builtin.module" else None

@@ -18,7 +18,6 @@ What it does with a graph (docs/backends.md, "cpu-c"):
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import re
 import sys
@@ -28,12 +27,13 @@ from typing import Any
 import numpy as np
 
 from ...diagnostics import SxError, UsageError
-from ...dialects.core import Operation, Region, TensorType
+from ...dialects.core import Operation, TensorType, enclosing_module, module_holding
 from ...dialects.graph import graph_funcs, input_name, input_role, is_derived, return_names
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, run_pipeline
 from ...passes.pipelines import CPU_C_LOWERING
 from ..executor import Executor
+from ..interpreter.executor import HostArrays
 from .blas import numpy_blas
 from .compiler import CCompileError, compile_shared, host_compiler, host_cpu
 from .render import GraphLayout, Named, Place, aligned, numpy_dtype, render_module
@@ -71,7 +71,7 @@ class LoweredModule:
         self.graphs = {str(f.attributes["sym_name"]): f for f in graph_funcs(module)}
 
 
-class CpuCExecutor(Executor):
+class CpuCExecutor(HostArrays, Executor):
     """Runs graphs as compiled C on the host's cores; see the module docstring."""
 
     device = "cpu-c"
@@ -96,7 +96,7 @@ class CpuCExecutor(Executor):
 
     def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
         name = str(func.attributes["sym_name"])
-        module = _module_of(func)
+        module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
         if lowered is None or name not in lowered.layouts:
             # Alone: the graphs the run pipeline derived for the driver (`derived`), and update graphs the lowering merged into their group's (which
@@ -106,7 +106,7 @@ class CpuCExecutor(Executor):
 
     def compile_alone(self, func: Operation) -> CpuCExecutable:
         """A graph lowered, compiled and loaded on its own (in a module of its own)."""
-        return self._executable(self._lower(_module_holding(func)), str(func.attributes["sym_name"]))
+        return self._executable(self._lower(module_holding([func])), str(func.attributes["sym_name"]))
 
     def _executable(self, lowered: LoweredModule, name: str) -> CpuCExecutable:
         layout = lowered.layouts[name]
@@ -125,11 +125,8 @@ class CpuCExecutor(Executor):
             return known[1]
         # The experiment's graphs, lowered together once; a derived graph is lowered alone when first called
         # (as the CUDA executor does), so the report counts each kernel once.
-        experiment = Operation.create("builtin.module", regions=[Region.with_block()])
-        for op in module.body.ops:
-            if not (op.name == "graph.func" and is_derived(op)):
-                experiment.body.append(op.clone())
-        lowered = self._lower(experiment)
+        lowered = self._lower(module_holding([op for op in module.body.ops
+                                              if not (op.name == "graph.func" and is_derived(op))]))
         self._modules[id(module)] = (module, lowered)
         if self.experiment is None and any(op.name == "exp.run" for op in module.body.ops):
             self.experiment = lowered
@@ -174,21 +171,6 @@ class CpuCExecutor(Executor):
 
     def zeros(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), numpy_dtype(dtype))
-
-    def upload(self, host: np.ndarray) -> np.ndarray:
-        return np.array(host, order="C")
-
-    def download(self, array: np.ndarray) -> np.ndarray:
-        return np.asarray(array)
-
-    def copy(self, source: np.ndarray, target: np.ndarray) -> None:
-        if source.shape != target.shape or source.dtype != target.dtype:
-            raise ValueError(f"copy of a {source.dtype}{list(source.shape)} array into a "
-                             f"{target.dtype}{list(target.shape)} one")
-        np.copyto(target, source)
-
-    def view(self, flat: np.ndarray, offset: int, shape: Sequence[int]) -> np.ndarray:
-        return flat[offset:offset + math.prod(shape)].reshape(tuple(shape))
 
     def write(self, target: np.ndarray, host: np.ndarray) -> None:
         np.copyto(target, np.asarray(host), casting="unsafe")
@@ -366,21 +348,6 @@ class _Input:
 
 def _grown(array: np.ndarray, nbytes: int) -> np.ndarray:
     return array if array.nbytes >= nbytes else np.zeros(aligned(nbytes), np.uint8)
-
-
-def _module_of(func: Operation) -> Operation | None:
-    """The `builtin.module` whose body holds `func`, if any."""
-    block = func.parent
-    region = block.parent if block is not None else None
-    owner = region.parent if region is not None else None
-    return owner if owner is not None and owner.name == "builtin.module" else None
-
-
-def _module_holding(func: Operation) -> Operation:
-    """A new module holding a copy of `func` (a graph the driver built outside the experiment's module)."""
-    module = Operation.create("builtin.module", regions=[Region.with_block()])
-    module.body.append(func.clone())
-    return module
 
 
 def open_cpu_c_executor(**options: Any) -> CpuCExecutor:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ...diagnostics import SxError
-from ...dialects.core import Operation, Region
+from ...dialects.core import Operation, enclosing_module, module_holding
 from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
@@ -120,11 +120,11 @@ class CudaExecutor(Executor):
         if ahead is not None and ahead[0] is func:
             return ahead[1]
         name = str(func.attributes["sym_name"])
-        module = _module_of(func)
+        module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
         if lowered is None or name not in lowered.graphs:
             # Alone: the graphs derived for the driver, and update graphs the lowering merged into their group's.
-            lowered = self._lower(_module_holding([func]), name)
+            lowered = self._lower(module_holding([func]), name)
         return self._executable(func, lowered)
 
     def _executable(self, func: Operation, lowered: LoweredModule) -> CudaExecutable:
@@ -141,7 +141,7 @@ class CudaExecutor(Executor):
         if known is not None and known[0] is module:
             return known[1]
         experiment = [op for op in module.body.ops if not (op.name == "graph.func" and is_derived(op))]
-        lowered = self._lower(_module_holding(experiment), _module_name(module))
+        lowered = self._lower(module_holding(experiment), _module_name(module))
         self._modules[id(module)] = (module, lowered)
         if self.experiment is None and any(op.name == "exp.run" for op in module.body.ops):
             self.experiment = lowered
@@ -235,7 +235,7 @@ class CudaExecutor(Executor):
             if k not in variants:
                 continue
             stacked, *rest = variants[k]
-            lowered = self._lower(_module_holding([stacked, *rest]), f"train_stacked_{k}")
+            lowered = self._lower(module_holding([stacked, *rest]), f"train_stacked_{k}")
             executable = self._executable(stacked, lowered)
             if executable.arena_need <= budget:
                 self._ahead[id(stacked)] = (stacked, executable)
@@ -286,30 +286,12 @@ def _add_stacked_rows(document: dict[str, Any], experiment: Operation, stacked: 
     kernels, adding into the gradients so far), read from a module holding it and the experiment's run."""
     kept = [op for op in stacked.module.body.ops if op.name != "graph.func" or op.attributes.get("accumulating") is not True]
     run = next(op for op in experiment.body.ops if op.name == "exp.run")
-    rows = lowering_document(_module_holding([*kept, run]), stacked.facts, arch, device)["rows"]
+    rows = lowering_document(module_holding([*kept, run]), stacked.facts, arch, device)["rows"]
     order = [row["name"] for row in document["rows"]]
     place = order.index("train accumulating") + 1 if "train accumulating" in order else 1
     document["rows"][place:place] = [row for row in rows if row["kind"] == "train_stacked"]
     largest = max(document["rows"], key=lambda row: row["arena_bytes"])
     document["memory"]["largest_arena"] = {"row": largest["name"], "bytes": largest["arena_bytes"]}
-
-
-def _module_holding(ops: Sequence[Operation]) -> Operation:
-    """A new `builtin.module` holding copies of `ops` (top-level ops of modules, in order): the lowering
-    rewrites what it lowers, and the compiled module stays as it was."""
-    module = Operation.create("builtin.module", regions=[Region.with_block()])
-    values: dict = {}
-    for op in ops:
-        module.body.append(op.clone(values))
-    return module
-
-
-def _module_of(func: Operation) -> Operation | None:
-    """The `builtin.module` whose body holds `func`, if any."""
-    block = func.parent
-    region = block.parent if block is not None else None
-    owner = region.parent if region is not None else None
-    return owner if owner is not None and owner.name == "builtin.module" else None
 
 
 def _module_name(module: Operation) -> str:

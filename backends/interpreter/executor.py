@@ -13,20 +13,9 @@ from .compiler import CompiledGraph, compile_graph
 from .dtypes import DtypePolicy
 
 
-class InterpreterExecutor(Executor):
-    """Compiles graphs with `compile_graph`; uploads and downloads are host copies and views."""
-
-    device = "cpu"
-
-    def __init__(self, float_mode: str = "native") -> None:
-        self.float_mode = float_mode
-        self._policy = DtypePolicy(float_mode)
-
-    def compile(self, func: Operation) -> CompiledGraph:
-        return compile_graph(func, self.float_mode)
-
-    def zeros(self, shape: Sequence[int], dtype: str) -> np.ndarray:
-        return np.zeros(tuple(shape), self._policy.storage(dtype))
+class HostArrays:
+    """Arrays of an executor whose memory is the host's: numpy arrays, so `download` and checkpoints need
+    nothing (the interpreter, and the compiled CPU target)."""
 
     def upload(self, host: np.ndarray) -> np.ndarray:
         return np.array(host, order="C")
@@ -43,3 +32,20 @@ class InterpreterExecutor(Executor):
 
     def view(self, flat: np.ndarray, offset: int, shape: Sequence[int]) -> np.ndarray:
         return flat[offset:offset + math.prod(shape)].reshape(tuple(shape))
+
+
+class InterpreterExecutor(HostArrays, Executor):
+    """Compiles graphs with `compile_graph`; uploads and downloads are host copies and views."""
+
+    device = "cpu"
+
+    def __init__(self, float_mode: str = "native") -> None:
+        self.float_mode = float_mode
+        self._policy = DtypePolicy(float_mode)
+
+    def compile(self, func: Operation) -> CompiledGraph:
+        return compile_graph(func, self.float_mode)
+
+    def zeros(self, shape: Sequence[int], dtype: str) -> np.ndarray:
+        return np.zeros(tuple(shape), self._policy.storage(dtype))
+
