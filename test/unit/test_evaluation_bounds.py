@@ -288,8 +288,11 @@ def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
     def down(n):
         if n == 0:
             deep.set()
-            while True:
+            # Spins until interrupted; a bounded spin, so a lost interrupt fails the test instead of hanging.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 pass
+            return 0
         return down(n - 1) + 1
 
     def body():
@@ -303,9 +306,14 @@ def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     limit = sys.getrecursionlimit()
-    threading.Thread(target=interrupt_when_deep, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_deep(body)
+    # Python's own handler, whatever an earlier test of the session left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_when_deep, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_deep(body)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert unwound and unwound[0] > limit and sys.getrecursionlimit() == limit, (unwound, limit)
 
 
