@@ -9,8 +9,12 @@ one written here:
   of MPI is imported (a plain `sexpgpu run` needs no extra).
 - `MpiCommunicator`: `MPI.COMM_WORLD` of the processes a launcher started
   (`mpiexec`, or `sexpgpu run --ranks N`, which runs the mpich wheel's
-  `mpiexec`). Device arrays are reduced through host buffers (on a GPU,
-  host staging).
+  `mpiexec`).
+
+A step's gradients are device arrays; they meet through `DeviceCollectives`:
+the device's own (NCCL on GPUs: backends/cuda/nccl.py, which the MPI world
+only bootstraps), else `HostStaging`: downloaded into host buffers, reduced
+by the communicator, written back (CPU ranks, cuda-sim, `SEXPGPU_NCCL=off`).
 
 Gradients are summed by reduce-scatter then all-gather (`sum_into`): each
 element is added by exactly one rank in MPI's fixed order and copied to the
@@ -25,11 +29,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..diagnostics import SxError
+
+if TYPE_CHECKING:
+    from .executor import DeviceArray, Executor
 
 #: The install command the one-line error for a missing MPI names.
 MPI_INSTALL = "pip install -e '.[mpi]'"
@@ -179,6 +186,87 @@ class MpiCommunicator(Communicator):
 
     def abort(self, code: int) -> None:
         self._comm.Abort(code)
+
+
+class DeviceCollectives(ABC):
+    """The collectives a step's reduction runs on float32 device arrays (backends/ranks.py)."""
+
+    #: What the gradients meet through, as the run record names it ("MPI", "NCCL").
+    transport: str
+
+    @abstractmethod
+    def sum_arrays(self, arrays: Sequence[DeviceArray]) -> None:
+        """Each of `arrays` replaced by its element-wise sum over the ranks (the same on every rank)."""
+
+    @abstractmethod
+    def share_arrays(self, arrays: Sequence[DeviceArray], root: int) -> None:
+        """Each of `arrays` replaced on every rank by rank `root`'s."""
+
+    @abstractmethod
+    def reduce_scatter(self, group: DeviceArray, shard: DeviceArray) -> None:
+        """`shard`, this rank's part of `group` (`shard_bounds`, equal parts), replaced by that part of
+        `group`'s sum over the ranks."""
+
+    @abstractmethod
+    def all_gather(self, shard: DeviceArray, group: DeviceArray) -> None:
+        """`group` filled with every rank's `shard`, in rank order (this rank's is already in place)."""
+
+
+class HostStaging(DeviceCollectives):
+    """Device arrays reduced through host buffers by the ranks' communicator: downloaded, reduced, written
+    back. Arrays summed together are packed into one buffer, so a step makes one collective of them."""
+
+    def __init__(self, executor: Executor, world: Communicator) -> None:
+        self.executor = executor
+        self.world = world
+        self.transport = world.transport
+        #: Host buffers by element count, kept from step to step.
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def _buffer(self, numel: int) -> np.ndarray:
+        if numel not in self._buffers:
+            self._buffers[numel] = np.empty(numel, dtype=np.float32)
+        return self._buffers[numel]
+
+    def _packed(self, arrays: Sequence[DeviceArray]) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+        values = [self.executor.download(array) for array in arrays]
+        host = self._buffer(sum(value.size for value in values))
+        offset = 0
+        for value in values:
+            host[offset:offset + value.size] = value.reshape(-1)
+            offset += value.size
+        return host, [value.shape for value in values]
+
+    def _unpack(self, arrays: Sequence[DeviceArray], host: np.ndarray, shapes: list[tuple[int, ...]]) -> None:
+        offset = 0
+        for array, shape in zip(arrays, shapes):
+            size = int(np.prod(shape, dtype=np.int64))
+            self.executor.write(array, host[offset:offset + size].reshape(shape))
+            offset += size
+
+    def sum_arrays(self, arrays: Sequence[DeviceArray]) -> None:
+        if arrays:
+            host, shapes = self._packed(arrays)
+            self.world.sum_into(host)
+            self._unpack(arrays, host, shapes)
+
+    def share_arrays(self, arrays: Sequence[DeviceArray], root: int) -> None:
+        if arrays:
+            host, shapes = self._packed(arrays)
+            self.world.share(host, root)
+            self._unpack(arrays, host, shapes)
+
+    def reduce_scatter(self, group: DeviceArray, shard: DeviceArray) -> None:
+        host, _ = self._packed([group])
+        shard_host = self._buffer(host.size // self.world.size)
+        self.world.reduce_scatter(host, shard_host)
+        self.executor.write(shard, shard_host)
+
+    def all_gather(self, shard: DeviceArray, group: DeviceArray) -> None:
+        shard_host, _ = self._packed([shard])
+        host = self._buffer(shard_host.size * self.world.size)
+        self.world.all_gather(shard_host, host)
+        self.executor.write(group, host)
 
 
 def launcher_world() -> tuple[int, int, str] | None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from ..dialects.core import Operation, TensorType
     from ..passes.lowering_report import LoweringFacts
+    from .distributed import Communicator, DeviceCollectives
 
 #: How the layer above the executors renders their lowering facts as text (`sexpgpu.report.lowering_text`):
 #: the training driver takes one to print a run's lowering report, since no backend renders a report.
@@ -152,6 +153,11 @@ class Executor(ABC):
         facts (`passes/lowering_report.py`), which `run` prints before its first step and `explain --device`
         shows (the top layer renders them: an executor renders no text); None where nothing is lowered
         (the interpreter)."""
+        return None
+
+    def collectives(self, world: Communicator) -> DeviceCollectives | None:
+        """The device's own collectives over the ranks of `world` (NCCL on a GPU), or None: the
+        gradients meet through host buffers and `world` (`distributed.HostStaging`)."""
         return None
 
 

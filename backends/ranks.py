@@ -28,7 +28,7 @@ import numpy as np
 
 from ..diagnostics import Location, SxError
 from ..passes.flat_updates import flat_update_graph
-from .distributed import Communicator, shard_bounds
+from .distributed import Communicator, DeviceCollectives, HostStaging, shard_bounds
 from .executor import DeviceArray, Executable, Executor
 
 #: Where `sexpgpu run --ranks N` asks each rank to leave its process id and last words (launch.py).
@@ -126,6 +126,9 @@ def plan_reduction(setup: Any) -> tuple[ShardedUpdates | None, GradientReduction
     summed buffer of every other gradient; with gradient diagnostics, `setup.whole_gradients`, the
     sum of every gradient (`reduce_step`)."""
     world: Communicator = setup.world
+    #: Through what the gradients meet: the device's collectives (NCCL), else host staging.
+    setup.collectives = (setup.executor.collectives(world) or HostStaging(setup.executor, world)
+                         if world.size > 1 else None)
     sharded = None
     if world.size > 1 and zero_stage(setup.plan) == 1 and setup.flat_groups:
         sharded = ShardedUpdates(setup, full_gradients=bool(setup.clips))
@@ -142,7 +145,7 @@ def plan_reduction(setup: Any) -> tuple[ShardedUpdates | None, GradientReduction
     if setup.diagnosis_accumulates and world.size > 1:
         whole = [setup.flat_grads] if setup.flat_bounds else []
         whole.extend(setup.grad_out[f"grad/{path}"] for path in setup.lone_params)
-        setup.whole_gradients = GradientReduction(setup.executor, world, whole)
+        setup.whole_gradients = GradientReduction(setup.collectives, whole)
     if sharded is not None:
         # The driver's flat updates are its flat groups', in order.
         setup.flat_updates[:] = [update for update, (_, paths) in zip(setup.flat_updates, setup.flat_groups)
@@ -150,7 +153,7 @@ def plan_reduction(setup: Any) -> tuple[ShardedUpdates | None, GradientReduction
         for name in list(setup.states):
             if sharded.owns(name.rsplit("/", 1)[0]):
                 del setup.states[name]
-    return sharded, GradientReduction(setup.executor, world, arrays)
+    return sharded, GradientReduction(setup.collectives, arrays)
 
 
 def manifest_fields(trainer: Any) -> dict[str, Any]:
@@ -160,52 +163,26 @@ def manifest_fields(trainer: Any) -> dict[str, Any]:
     if world.size == 1:
         return {}
     return {"ranks": world.size, "microbatches_per_rank": trainer.local_microbatches,
-            "zero_stage": 1 if trainer.sharded is not None else 0, "transport": world.transport}
+            "zero_stage": 1 if trainer.sharded is not None else 0, "transport": trainer.collectives.transport}
 
 
 class GradientReduction:
-    """Sums the step's gradients over the ranks, in place, through one host buffer: the flat gradient
-    array and every gradient outside it, packed in a fixed order. Arrays a `ShardedUpdates` reduces
-    itself (`skip`: the spans it reduce-scatters) are left out."""
+    """Sums the step's gradients over the ranks, in place, through the setup's `DeviceCollectives`: the
+    flat gradient array and every gradient outside it (through host staging, packed into one buffer in
+    a fixed order). Arrays a `ShardedUpdates` reduces itself (the spans it reduce-scatters) are left out."""
 
-    def __init__(self, executor: Executor, world: Communicator, arrays: Sequence[DeviceArray]) -> None:
-        self.executor = executor
-        self.world = world
+    def __init__(self, collectives: DeviceCollectives, arrays: Sequence[DeviceArray]) -> None:
+        self.collectives = collectives
         self.arrays = list(arrays)
-        self.numel = sum(int(np.prod(executor.download(a).shape, dtype=np.int64)) for a in self.arrays)
-        self._host = np.empty(self.numel, dtype=np.float32)
 
     def __call__(self) -> None:
         if self.arrays:
-            self._pack()
-            self.world.sum_into(self._host)
-            self._unpack()
+            self.collectives.sum_arrays(self.arrays)
 
     def share(self, root: int) -> None:
         """Every rank's arrays replaced by rank `root`'s."""
         if self.arrays:
-            self._pack()
-            self.world.share(self._host, root)
-            self._unpack()
-
-    def _pack(self) -> None:
-        offset = 0
-        for array in self.arrays:
-            value = self.executor.download(array)
-            self._host[offset:offset + value.size] = value.reshape(-1)
-            offset += value.size
-
-    def _unpack(self) -> None:
-        ex, host, offset = self.executor, self._host, 0
-        for array in self.arrays:
-            shape = ex.download(array).shape
-            size = int(np.prod(shape, dtype=np.int64))
-            ex.write(array, host[offset:offset + size].reshape(shape))
-            offset += size
-
-    def bytes_per_step(self) -> int:
-        """What the reduction sends per rank a step (ring reduce-scatter + all-gather: 2(N−1)/N of it)."""
-        return 2 * (self.world.size - 1) * self.numel * 4 // self.world.size
+            self.collectives.share_arrays(self.arrays, root)
 
 
 class ShardedGroup:
@@ -230,8 +207,6 @@ class ShardedGroup:
         self.grad = ex.view(setup.flat_grads, self.shard[0], (shard_numel,))
         self.group_params = ex.view(setup.flat_params, self.start, (self.stop - self.start,))
         self.group_grads = ex.view(setup.flat_grads, self.start, (self.stop - self.start,))
-        self._host = np.empty(self.stop - self.start, dtype=np.float32)
-        self._shard_host = np.empty(shard_numel, dtype=np.float32)
 
 
 class ShardedUpdates:
@@ -245,6 +220,7 @@ class ShardedUpdates:
     def __init__(self, setup: Any, full_gradients: bool) -> None:
         self.world: Communicator = setup.world
         self.executor: Executor = setup.executor
+        self.collectives: DeviceCollectives = setup.collectives
         self.full_gradients = full_gradients
         self.groups = [ShardedGroup(setup, paths) for _, paths in setup.flat_groups
                        if (setup.flat_bounds[paths[-1]][1] - setup.flat_bounds[paths[0]][0]) % self.world.size == 0]
@@ -263,25 +239,19 @@ class ShardedUpdates:
 
     def reduce_gradients(self) -> None:
         """Each group's gradient span summed over the ranks: this rank's shard of it at least."""
-        ex = self.executor
+        if self.full_gradients:
+            self.collectives.sum_arrays([group.group_grads for group in self.groups])
+            return
         for group in self.groups:
-            group._host[...] = ex.download(group.group_grads)
-            if self.full_gradients:
-                self.world.sum_into(group._host)
-                ex.write(group.group_grads, group._host)
-            else:
-                self.world.reduce_scatter(group._host, group._shard_host)
-                ex.write(group.grad, group._shard_host)
+            self.collectives.reduce_scatter(group.group_grads, group.grad)
 
     def update(self, step_input: DeviceArray) -> None:
         """Each rank updates its shards; then every rank gets every shard of the parameters."""
-        ex = self.executor
         for group in self.groups:
             arrays = {"param": group.param, "grad": group.grad, **group.states}
             group.update({**arrays, "step": step_input}, {"param": group.param, **group.states})
-            group._shard_host[...] = ex.download(group.param)
-            self.world.all_gather(group._shard_host, group._host)
-            ex.write(group.group_params, group._host)
+        for group in self.groups:
+            self.collectives.all_gather(group.param, group.group_params)
 
     def gathered_states(self) -> dict[str, np.ndarray] | None:
         """Every state of the sharded groups, whole, on rank 0 (None on the others): a checkpoint's."""

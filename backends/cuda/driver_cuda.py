@@ -224,6 +224,11 @@ class CudaStream(Stream):
     def synchronize(self) -> None:
         self.runtime._check(self.runtime.driver.cuStreamSynchronize(self.cu), "cuStreamSynchronize")
 
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise DeviceError("a stream waiting for an event of another runtime")
+        self.runtime._check(self.runtime.driver.cuStreamWaitEvent(self.cu, event.cu, 0), "cuStreamWaitEvent")
+
 
 class CudaEvent(Event):
     def __init__(self, runtime: CudaRuntime, cu_event: Any) -> None:

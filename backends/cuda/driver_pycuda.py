@@ -100,6 +100,11 @@ class PycudaStream(Stream):
     def synchronize(self) -> None:
         self.runtime._waiting(self.pycuda.synchronize, "cuStreamSynchronize")
 
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, PycudaEvent):
+            raise DeviceError("a stream waiting for an event of another runtime")
+        self.runtime._call(lambda: self.pycuda.wait_for_event(event.pycuda), "cuStreamWaitEvent")
+
 
 class PycudaEvent(Event):
     def __init__(self, runtime: PycudaRuntime, event: Any) -> None:

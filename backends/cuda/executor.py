@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, UnitFacts
+from ..distributed import Communicator, DeviceCollectives
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
@@ -277,6 +279,22 @@ class CudaExecutor(Executor):
 
     def synchronize(self) -> None:
         self.runtime.synchronize()
+
+    def collectives(self, world: Communicator) -> DeviceCollectives | None:
+        """NCCL over the ranks of `world` on a GPU (docs/distributed.md, "NCCL and host staging"); None
+        (host staging through MPI) on cuda-sim, with `SEXPGPU_NCCL=off`, without the NCCL library, or
+        where two ranks share a GPU, which NCCL refuses."""
+        from .nccl import nccl_setting, open_nccl_collectives
+
+        if world.size == 1 or self.device != "cuda" or not nccl_setting():
+            return None
+        places = world.broadcast(world.gather((socket.gethostname(), self.runtime.device.index)))
+        if len(set(places)) < len(places):
+            if world.is_root:
+                print("note: several ranks share a GPU, which NCCL refuses; they reduce through MPI by host staging",
+                      file=sys.stderr)
+            return None
+        return open_nccl_collectives(self.runtime, world)
 
 
 def _add_stacked_rows(document: dict[str, Any], experiment: Operation, stacked: LoweredModule, arch: str,

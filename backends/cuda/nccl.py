@@ -14,24 +14,36 @@ parameters on a stream of their own.
 Device buffers and streams are passed as integers (a `CUdeviceptr`, a
 `CUstream` handle), as the CUDA executor's runtime holds them.
 
-Not yet wired into the CUDA executor: GPU ranks reduce through MPI by host
-staging (docs/distributed.md, "Not yet").
+`NcclCollectives` is what GPU ranks reduce through (`CudaExecutor.collectives`
+on `cuda`; cuda-sim and `SEXPGPU_NCCL=off` keep MPI's host staging): the
+gradients are summed on a side stream of their own, after everything the
+compute stream has enqueued (the last microbatch's backward) and before
+whatever it enqueues next (the update), ordered by events, the host waiting
+for neither.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ...diagnostics import SxError
-from ..distributed import Communicator
+from ..distributed import Communicator, DeviceCollectives
 from .errors import CudaToolchainMissing
+from .memory import CudaArray
+from .runtime import DeviceRuntime
 
 #: ncclDataType_t, by IR dtype.
 DATA_TYPES = {"i8": 0, "u8": 1, "i32": 2, "u32": 3, "i64": 4, "u64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
+#: Bytes of an element of each data type.
+DATA_TYPE_BYTES = {"i8": 1, "u8": 1, "i32": 4, "u32": 4, "i64": 8, "u64": 8, "f16": 2, "f32": 4, "f64": 8, "bf16": 2}
 #: ncclRedOp_t.
 REDUCTIONS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 #: NCCL_UNIQUE_ID_BYTES.
@@ -162,6 +174,20 @@ class NcclComm:
         """Every rank's `count` elements at `send`, in rank order, into `size · count` elements at `receive`."""
         self.nccl.call("ncclAllGather", send, receive, count, DATA_TYPES[dtype], self.handle, stream, comm=self.handle)
 
+    def broadcast(self, send: int, receive: int, count: int, dtype: str, root: int, stream: int) -> None:
+        """Rank `root`'s `count` elements of `dtype` at `send` into `receive` on every rank."""
+        self.nccl.call("ncclBroadcast", send, receive, count, DATA_TYPES[dtype], root, self.handle, stream,
+                       comm=self.handle)
+
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """The collectives called within are launched together (`ncclGroupStart` … `ncclGroupEnd`)."""
+        self.nccl.call("ncclGroupStart")
+        try:
+            yield
+        finally:
+            self.nccl.call("ncclGroupEnd", comm=self.handle)
+
     def abort(self) -> None:
         """End the communicator at once (a rank failed): pending collectives return."""
         if self.handle.value:
@@ -172,3 +198,85 @@ class NcclComm:
         if self.handle.value:
             self.nccl.call("ncclCommDestroy", self.handle)
             self.handle = _COMM()
+
+
+def nccl_setting() -> bool:
+    """`SEXPGPU_NCCL`: `off` makes GPU ranks reduce through MPI by host staging (default on)."""
+    value = (os.environ.get("SEXPGPU_NCCL") or "on").strip().lower()
+    if value in ("0", "off", "no", "false"):
+        return False
+    if value in ("1", "on", "yes", "true"):
+        return True
+    raise SxError(f"SEXPGPU_NCCL={value} is not on or off")
+
+
+class NcclCollectives(DeviceCollectives):
+    """A step's collectives on the device through NCCL (llm.c's `llmc/zero.cuh`): the gradients summed
+    with `ncclAllReduce`, a ZeRO-1 group's reduce-scattered and its parameters all-gathered in place
+    (NCCL's in-place forms: this rank's shard of a group is the rank-th part of it). Each call runs
+    on a side stream after the compute stream's work so far (an event it waits for), its collectives
+    grouped, and the compute stream's later work waits for it (an event after it)."""
+
+    transport = "NCCL"
+
+    def __init__(self, runtime: DeviceRuntime, comm: NcclComm) -> None:
+        self.runtime = runtime
+        self.comm = comm
+        self.side = runtime.stream()
+        self._computed = runtime.event()
+        self._reduced = runtime.event()
+
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[int]:
+        compute = self.runtime.default_stream
+        self._computed.record(compute)
+        self.side.wait(self._computed)
+        with self.comm.grouped():
+            yield self.side.handle
+        self._reduced.record(self.side)
+        compute.wait(self._reduced)
+
+    def sum_arrays(self, arrays: Sequence[CudaArray]) -> None:
+        with self._on_side_stream() as stream:
+            for array in arrays:
+                self.comm.all_reduce(array.address, array.address, _count(array), array.dtype, "sum", stream)
+
+    def share_arrays(self, arrays: Sequence[CudaArray], root: int) -> None:
+        with self._on_side_stream() as stream:
+            for array in arrays:
+                self.comm.broadcast(array.address, array.address, _count(array), array.dtype, root, stream)
+
+    def reduce_scatter(self, group: CudaArray, shard: CudaArray) -> None:
+        self._check_in_place(group, shard)
+        with self._on_side_stream() as stream:
+            self.comm.reduce_scatter(group.address, shard.address, _count(shard), shard.dtype, "sum", stream)
+
+    def all_gather(self, shard: CudaArray, group: CudaArray) -> None:
+        self._check_in_place(group, shard)
+        with self._on_side_stream() as stream:
+            self.comm.all_gather(shard.address, group.address, _count(shard), shard.dtype, stream)
+
+    def _check_in_place(self, group: CudaArray, shard: CudaArray) -> None:
+        if (group.dtype != shard.dtype or group.nbytes != self.comm.size * shard.nbytes
+                or shard.address != group.address + self.comm.rank * shard.nbytes):
+            raise ValueError(f"{shard!r} is not rank {self.comm.rank}'s part of {group!r} in {self.comm.size}")
+
+
+def _count(array: CudaArray) -> int:
+    return array.nbytes // DATA_TYPE_BYTES[array.dtype]
+
+
+def open_nccl_collectives(runtime: DeviceRuntime, world: Communicator) -> NcclCollectives | None:
+    """NCCL's collectives over the ranks of `world` (which shares the unique id); None where the NCCL
+    library is missing on any rank (rank 0 notes why): the ranks then reduce through host staging."""
+    try:
+        nccl, missing = load_nccl(), ""
+    except CudaToolchainMissing as error:
+        nccl, missing = None, error.message
+    # Every rank takes the same road, or the ones joining NCCL would wait for the others forever.
+    if world.sum_values([0.0 if nccl is not None else 1.0])[0] > 0:
+        if world.is_root:
+            print(f"note: {missing or 'the NCCL library is missing on some rank'}; GPU ranks reduce through MPI by "
+                  "host staging", file=sys.stderr)
+        return None
+    return NcclCollectives(runtime, NcclComm(nccl, world))

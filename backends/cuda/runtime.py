@@ -466,6 +466,11 @@ class Stream(ABC):
     def synchronize(self) -> None:
         """Wait until everything enqueued so far has run."""
 
+    @abstractmethod
+    def wait(self, event: Event) -> None:
+        """Work enqueued on this stream from now on runs after `event`'s recorded point (the host does not
+        wait): how work on a side stream (NCCL's) is ordered with the compute stream."""
+
 
 class Event(ABC):
     """A point in a stream's work: recorded, waited for, timed."""

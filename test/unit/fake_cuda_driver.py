@@ -560,6 +560,13 @@ class FakeDriver:
             int(hEvent), list(self.pending.get(int(hStream), []))))
 
     @driver_call
+    def cuStreamWaitEvent(self, record, hStream, hEvent, Flags):  # noqa: N802, N803
+        # Work runs as it is enqueued, so what the event marks has run; the call is recorded for its order.
+        if int(hStream) not in self.streams:
+            self.violation(f"cuStreamWaitEvent on stream {int(hStream):#x}, which is not a live stream")
+            raise Injected(R.CUDA_ERROR_INVALID_HANDLE)
+
+    @driver_call
     def cuEventSynchronize(self, record, hEvent):  # noqa: N802, N803
         self._complete(self.events.pop(int(hEvent), []), "cuEventSynchronize")
         for copies in self.pending.values():
