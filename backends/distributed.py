@@ -44,7 +44,8 @@ MPI_INSTALL = "pip install -e '.[mpi]'"
 #: (rank variable, size variable) of each launcher whose environment a rank reads, in this order:
 #: MPICH's hydra (`mpiexec`, and `sexpgpu run --ranks N`), Open MPI's `mpirun`.
 MPI_LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
-#: The variables of a `torchrun`-style launcher (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
+#: The variables of a `torchrun`-style launcher (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`; GPU ranks meet at
+#: `MASTER_ADDR`:`MASTER_PORT`, backends/rendezvous.py).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE")
 #: The local-rank variables (the rank among the ranks on one machine: the device it opens).
 LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK")
@@ -298,17 +299,21 @@ def import_mpi(ranks: int) -> Any:
     return MPI
 
 
-def open_communicator() -> Communicator:
-    """The communicator of this process: MPI's world when a launcher started it among several ranks,
-    else a single process."""
+def open_communicator(device: str = "cpu") -> Communicator:
+    """The communicator of this process: MPI's world when an MPI launcher started it among several ranks;
+    for GPU ranks of a `torchrun`-style launch, NCCL's (`cuda.nccl.NcclWorld`); else a single process."""
     world = launcher_world()
     if world is None or world[1] == 1:
         return SingleProcess()
     rank, size, variables = world
     if variables == "/".join(TORCHRUN_VARIABLES):
-        raise SxError(f"{variables} say this is rank {rank} of {size}, but ranks meet through MPI: start "
-                      f"them with `mpiexec -n {size} sexpgpu run ...` or `sexpgpu run --ranks {size}` "
-                      "(docs/distributed.md)")
+        if device == "cuda":
+            from .cuda.nccl import NcclWorld
+
+            return NcclWorld(rank, size)
+        raise SxError(f"{variables} say this is rank {rank} of {size}, but ranks on {device} meet through MPI's "
+                      f"collectives, which those variables cannot join: start them with `mpiexec -n {size} "
+                      f"sexpgpu run ...` or `sexpgpu run --ranks {size}` (docs/distributed.md)")
     communicator = MpiCommunicator(import_mpi(size))
     if communicator.size != size:
         raise SxError(f"{variables} say {size} ranks, but MPI's world has {communicator.size}: is mpi4py "

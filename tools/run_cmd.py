@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = requested_ranks(args)
     if ranks > 1 and launcher_world() is None:
         return start_ranks(args, ranks)
-    world = open_communicator()
+    world = open_communicator(args.device)
     if args.ranks is not None and args.ranks != world.size:
         raise UsageError(f"--ranks {args.ranks}, but the launcher started {world.size} ranks")
 

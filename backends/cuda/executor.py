@@ -283,9 +283,12 @@ class CudaExecutor(Executor):
     def collectives(self, world: Communicator) -> DeviceCollectives | None:
         """NCCL over the ranks of `world` on a GPU (docs/distributed.md, "NCCL and host staging"); None
         (host staging through MPI) on cuda-sim, with `SEXPGPU_NCCL=off`, without the NCCL library, or
-        where two ranks share a GPU, which NCCL refuses."""
-        from .nccl import nccl_setting, open_nccl_collectives
+        where two ranks share a GPU, which NCCL refuses. Ranks of a torchrun-style launch (`NcclWorld`)
+        already share a communicator."""
+        from .nccl import NcclCollectives, NcclWorld, nccl_setting, open_nccl_collectives
 
+        if isinstance(world, NcclWorld):
+            return NcclCollectives(self.runtime, world.comm)
         if world.size == 1 or self.device != "cuda" or not nccl_setting():
             return None
         places = world.broadcast(world.gather((socket.gethostname(), self.runtime.device.index)))

@@ -29,16 +29,21 @@ import ctypes
 import functools
 import importlib.util
 import os
+import pickle
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...diagnostics import SxError
 from ..distributed import Communicator, DeviceCollectives
+from ..rendezvous import share_bytes
 from .errors import CudaToolchainMissing
 from .memory import CudaArray
 from .runtime import DeviceRuntime
+from .selection import open_runtime
 
 #: ncclDataType_t, by IR dtype.
 DATA_TYPES = {"i8": 0, "u8": 1, "i32": 2, "u32": 3, "i64": 4, "u64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
@@ -150,15 +155,20 @@ def shared_unique_id(nccl: Nccl, world: Communicator) -> bytes:
 
 
 class NcclComm:
-    """One rank's NCCL communicator over the ranks of `world`: rank 0 makes the unique id, `world`
-    (MPI) gives it to every rank, and each joins with its rank (llm.c's `multi_gpu_config_init`)."""
+    """One rank's NCCL communicator: rank `rank` of `size` joined with the unique id rank 0 made."""
 
-    def __init__(self, nccl: Nccl, world: Communicator) -> None:
+    def __init__(self, nccl: Nccl, rank: int, size: int, unique_id: bytes) -> None:
         self.nccl = nccl
-        self.rank, self.size = world.rank, world.size
+        self.rank, self.size = rank, size
         self.handle = _COMM()
-        uid = UniqueId.from_buffer_copy(shared_unique_id(nccl, world))
+        uid = UniqueId.from_buffer_copy(unique_id)
         nccl.call("ncclCommInitRank", ctypes.byref(self.handle), self.size, uid, self.rank)
+
+    @classmethod
+    def over(cls, nccl: Nccl, world: Communicator) -> NcclComm:
+        """The communicator of the ranks of `world`: rank 0 makes the unique id, `world` (MPI) gives it
+        to every rank, and each joins with its rank (llm.c's `multi_gpu_config_init`)."""
+        return cls(nccl, world.rank, world.size, shared_unique_id(nccl, world))
 
     def all_reduce(self, send: int, receive: int, count: int, dtype: str, op: str, stream: int) -> None:
         """`count` elements of `dtype` at device address `send` reduced by `op` over the ranks, into `receive`."""
@@ -279,4 +289,100 @@ def open_nccl_collectives(runtime: DeviceRuntime, world: Communicator) -> NcclCo
             print(f"note: {missing or 'the NCCL library is missing on some rank'}; GPU ranks reduce through MPI by "
                   "host staging", file=sys.stderr)
         return None
-    return NcclCollectives(runtime, NcclComm(nccl, world))
+    return NcclCollectives(runtime, NcclComm.over(nccl, world))
+
+
+#: The NCCL data type of each numpy type the host collectives move.
+_HOST_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.int64): "i64",
+               np.dtype(np.uint8): "u8"}
+
+
+class NcclWorld(Communicator):
+    """The ranks of a `torchrun`-style launch on GPUs (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`; no MPI): rank 0's
+    NCCL unique id reaches the others through MASTER_ADDR:MASTER_PORT (backends/rendezvous.py), and the
+    few collectives of host values (metrics, flags, the record directory, a checkpoint's shards) are
+    NCCL's too, on device copies of them (as PyTorch's object collectives over NCCL are). The gradients
+    meet through the same communicator (`CudaExecutor.collectives`)."""
+
+    transport = "NCCL"
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.runtime = open_runtime("cuda")  # the device of this rank's local rank
+        nccl = load_nccl()
+        self.comm = NcclComm(nccl, rank, size, share_bytes(rank, size, nccl.unique_id, UNIQUE_ID_BYTES))
+
+    def _on_device(self, host: np.ndarray, count: int,
+                   collective: Callable[[NcclComm, int, int, str, int], None]) -> np.ndarray:
+        """`collective(comm, send, receive, dtype, stream)` over a device copy of `host` into `count`
+        elements of its type, which are returned on the host."""
+        host = np.ascontiguousarray(host).reshape(-1)
+        itemsize = host.dtype.itemsize
+        send = self.runtime.allocate(max(host.nbytes, itemsize), "a host collective's buffer")
+        receive = self.runtime.allocate(max(count * itemsize, itemsize), "a host collective's buffer")
+        try:
+            if host.nbytes:
+                self.runtime.upload(send, host)
+            collective(self.comm, int(send), int(receive), _HOST_TYPES[host.dtype], self.runtime.default_stream.handle)
+            return self.runtime.download(receive, host.dtype, (count,)).copy()
+        finally:
+            self.runtime.free(send)
+            self.runtime.free(receive)
+
+    def _equal_shard(self, count: int) -> int:
+        if count % self.size:
+            raise ValueError(f"NCCL splits {count} elements into {self.size} equal shards only where they divide")
+        return count // self.size
+
+    def sum_into(self, buffer: np.ndarray) -> None:
+        n = buffer.size
+        buffer[...] = self._on_device(buffer, n, lambda c, s, r, t, st: c.all_reduce(s, r, n, t, "sum", st))
+
+    def reduce_scatter(self, buffer: np.ndarray, shard: np.ndarray) -> None:
+        n = self._equal_shard(buffer.size)
+        shard[...] = self._on_device(buffer, n, lambda c, s, r, t, st: c.reduce_scatter(s, r, n, t, "sum", st))
+
+    def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
+        n = self._equal_shard(buffer.size)
+        buffer[...] = self._on_device(shard, buffer.size, lambda c, s, r, t, st: c.all_gather(s, r, n, t, st))
+
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        n = buffer.size
+        buffer[...] = self._on_device(buffer, n, lambda c, s, r, t, st: c.broadcast(s, r, n, t, root, st)).reshape(
+            buffer.shape)
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        summed = np.asarray(values, dtype=np.float64)
+        self.sum_into(summed)
+        return summed.tolist()
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        payload = np.frombuffer(bytearray(pickle.dumps(value)), dtype=np.uint8) if self.rank == root else None
+        length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+        self.share(length, root)
+        if payload is None:
+            payload = np.zeros(int(length[0]), dtype=np.uint8)
+        self.share(payload, root)
+        return pickle.loads(payload.tobytes())
+
+    def gather(self, value: Any) -> list[Any] | None:
+        payload = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        self.all_gather(np.array([payload.size], dtype=np.int64), lengths)
+        longest = int(lengths.max())
+        padded = np.zeros(longest, dtype=np.uint8)
+        padded[:payload.size] = payload
+        every = np.zeros(longest * self.size, dtype=np.uint8)
+        self.all_gather(padded, every)
+        if not self.is_root:
+            return None
+        return [pickle.loads(every[rank * longest:rank * longest + int(lengths[rank])].tobytes())
+                for rank in range(self.size)]
+
+    def abort(self, code: int) -> None:
+        # The launcher (torchrun's agent) stops the other ranks when one ends badly; NCCL's pending
+        # collectives must not hold this one.
+        with contextlib.suppress(NcclError):
+            self.comm.abort()
+        sys.stderr.flush()
+        os._exit(code)

@@ -111,12 +111,27 @@ def test_the_launcher_environment_gives_the_rank(monkeypatch, no_launcher):
     assert launcher_world() == (0, 2, "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE")
 
 
-def test_torchrun_variables_without_mpi_are_one_line(monkeypatch, no_launcher):
+@pytest.mark.parametrize("device", ["cpu", "cpu-c", "cuda-sim"])
+def test_torchrun_variables_on_a_cpu_are_one_line_naming_mpiexec(monkeypatch, no_launcher, device):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SxError, match=r"RANK/WORLD_SIZE say this is rank 1 of 2, but ranks meet through MPI: start "
-                                      r"them with `mpiexec -n 2 sexpgpu run \.\.\.` or `sexpgpu run --ranks 2`"):
-        open_communicator()
+    with pytest.raises(SxError, match=rf"RANK/WORLD_SIZE say this is rank 1 of 2, but ranks on {device} meet through "
+                                      r"MPI's collectives, which those variables cannot join: start them with "
+                                      r"`mpiexec -n 2 sexpgpu run \.\.\.` or `sexpgpu run --ranks 2`"):
+        open_communicator(device)
+
+
+def test_sexpgpu_run_under_torchrun_variables_on_cpu_is_one_line_exit_1(tmp_path):
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    done = subprocess.run([sys.executable, "-m", "sexpgpu.tools.main", "run", str(ROOT / "examples" / "tiny-gpt.sx"),
+                           "--variant", "smoke", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr == ("error: RANK/WORLD_SIZE say this is rank 0 of 2, but ranks on cpu meet through MPI's "
+                           "collectives, which those variables cannot join: start them with `mpiexec -n 2 sexpgpu "
+                           "run ...` or `sexpgpu run --ranks 2` (docs/distributed.md)\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_without_mpi4py_several_ranks_name_the_extra(monkeypatch):

@@ -29,7 +29,7 @@ world = open_communicator()
 nccl = load_nccl()
 uid = shared_unique_id(nccl, world)
 try:
-    NcclComm(nccl, world).close()
+    NcclComm.over(nccl, world).close()
     joined = "joined"
 except NcclError as err:
     joined = err.message
@@ -81,7 +81,7 @@ class _Library:
 
 def test_arguments_are_marshalled_as_the_c_signatures_say():
     library = _Library()
-    comm = NcclComm(Nccl(library, "fake"), SingleProcess())
+    comm = NcclComm.over(Nccl(library, "fake"), SingleProcess())
     assert library.ncclAllReduce.argtypes[2] is ctypes.c_size_t and library.ncclAllReduce.restype is ctypes.c_int
     name, (handle, ranks, uid, rank) = library.calls[-1]
     assert (name, ranks, rank, bytes(bytearray(uid))) == ("ncclCommInitRank", 1, 0, b"u" * UNIQUE_ID_BYTES)
@@ -96,7 +96,7 @@ def test_arguments_are_marshalled_as_the_c_signatures_say():
 
 
 def test_a_refused_call_names_it_and_nccls_words():
-    comm = NcclComm(Nccl(_Library(failing="ncclAllGather"), "fake"), SingleProcess())
+    comm = NcclComm.over(Nccl(_Library(failing="ncclAllGather"), "fake"), SingleProcess())
     with pytest.raises(NcclError) as raised:
         comm.all_gather(1, 2, 3, "f32", 0)
     assert raised.value.message == "ncclAllGather failed: unhandled system error (socket closed)"
