@@ -8,6 +8,9 @@ the others at once. What this adds is the account: each rank leaves its
 process id and last words in a folder (ranks.RankRecord), and when the
 run ends badly this names the rank that died, in one line instead of
 hydra's banner, and closes the run record with an `end` event `failed`.
+A rank that stops responding without dying (SIGSTOP, a frozen process)
+would hold the others in a collective forever: its record goes stale, and
+this ends it (`SilenceWatch`), which makes it a dead rank like any other.
 
 Each rank runs single-threaded BLAS (`OMP_NUM_THREADS=1` and its kin)
 unless the environment says otherwise, as `torchrun` does: N ranks each
@@ -38,6 +41,8 @@ from .ranks import RANK_DIRECTORY_VARIABLE, read_rank_records
 
 #: The thread-count variables of the BLAS libraries numpy may use, each set to 1 unless already set.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+#: A rank silent this long (no activity, no heartbeat: ranks.HEARTBEAT_SECONDS) has stopped responding.
+SILENT_SECONDS = 15.0
 #: Lines of hydra's report of a rank that ended badly (replaced by one line naming the rank).
 _HYDRA_BANNER = re.compile(r"^(=+|=   .*|YOUR APPLICATION TERMINATED.*|This typically refers to a problem.*|"
                            r"Please see the FAQ page.*|Abort\(\d+\) on node .*)$")
@@ -74,6 +79,8 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="sexpgpu-ranks-") as folder:
         process = subprocess.Popen(command, env=rank_environment(Path(folder)), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, errors="replace")
+        silence = SilenceWatch(Path(folder))
+        silence.start()
         # hydra reports a dead rank on its standard output, and its ranks may on either stream.
         watch = HydraWatch()
         relay_errors = threading.Thread(target=watch.relay, args=(process.stderr, sys.stderr), daemon=True)
@@ -87,7 +94,11 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
             code = process.wait()
         finally:
             signal.signal(signal.SIGINT, previous)
+            silence.stop()
         dead_pid, how = watch.dead_pid, watch.how
+        if silence.silent is not None:
+            dead_pid, seconds = silence.silent
+            how = f"stopped responding (no sign of life for {seconds:.0f} s)"
         if code == 0:
             return 0
         records = read_rank_records(Path(folder))
@@ -95,6 +106,41 @@ def launch_ranks(arguments: Sequence[str], ranks: int, out_dir: Path) -> int:
         # A rank ended with an error it printed itself (and stopped the others): nothing to add.
         return code
     return _report_dead_rank(records, dead_pid, how, out_dir, started)
+
+
+class SilenceWatch(threading.Thread):
+    """Ends a rank that stops responding: one whose record (ranks.RankRecord) shows no sign of life for
+    `SILENT_SECONDS` while its process lives — stopped (SIGSTOP), or frozen holding the interpreter. The
+    others would wait for it in a collective forever; killed, it is a dead rank, and hydra stops the
+    others at once. `silent` is (its process id, the seconds it was silent) once one was ended."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(name="sexpgpu-rank-silence", daemon=True)
+        self.folder = folder
+        self.silent: tuple[int, float] | None = None
+        self._ended = threading.Event()
+
+    def run(self) -> None:
+        while not self._ended.wait(1.0):
+            for pid, _, seconds in read_rank_records(self.folder).values():
+                if seconds > SILENT_SECONDS and process_lives(pid):
+                    self.silent = (pid, seconds)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    return
+
+    def stop(self) -> None:
+        self._ended.set()
+        self.join()
+
+
+def process_lives(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (running, sleeping or stopped; not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class HydraWatch:
@@ -132,9 +178,9 @@ class HydraWatch:
             self.how = f"exited with status {match.group(1)}"
 
 
-def _report_dead_rank(records: dict[int, tuple[int, str]], dead_pid: int, how: str, out_dir: Path,
+def _report_dead_rank(records: dict[int, tuple[int, str, float]], dead_pid: int, how: str, out_dir: Path,
                       started: float) -> int:
-    rank = next((rank for rank, (pid, _) in records.items() if pid == dead_pid), None)
+    rank = next((rank for rank, (pid, _, _) in records.items() if pid == dead_pid), None)
     who = f"rank {rank} (process {dead_pid})" if rank is not None else f"process {dead_pid}"
     last_words = records[rank][1] if rank is not None else "before it reported"
     checkpoints = list_checkpoints(out_dir) if out_dir.exists() else []

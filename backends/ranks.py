@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ from .executor import DeviceArray, Executable, Executor
 
 #: Where `sexpgpu run --ranks N` asks each rank to leave its process id and last words (launch.py).
 RANK_DIRECTORY_VARIABLE = "SEXPGPU_RANK_DIR"
+#: How often a rank's record is touched to say it is alive.
+HEARTBEAT_SECONDS = 2.0
 
 
 def local_microbatches(microbatches: int, ranks: int, loc: Location | None) -> int:
@@ -290,12 +294,23 @@ class ShardedUpdates:
 
 class RankRecord:
     """This rank's process id and last words, in the folder `sexpgpu run --ranks N` watches: what it
-    names when a rank dies (launch.py). A file per rank, replaced whole at each activity."""
+    names when a rank dies (launch.py). A file per rank, replaced whole at each activity, and touched
+    every `HEARTBEAT_SECONDS` by a thread of its own: a rank whose file goes stale while its process
+    lives has stopped responding (stopped, or frozen holding the interpreter), which the launcher ends."""
 
     def __init__(self, world: Communicator) -> None:
         folder = os.environ.get(RANK_DIRECTORY_VARIABLE)
         self.path = Path(folder) / f"rank-{world.rank}" if folder and world.size > 1 else None
         self.say("starting")
+        if self.path is not None:
+            threading.Thread(target=self._beat, name="sexpgpu-rank-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        assert self.path is not None
+        while True:
+            time.sleep(HEARTBEAT_SECONDS)
+            with contextlib.suppress(OSError):  # replaced by `say` at that moment: the new file is as fresh
+                os.utime(self.path)
 
     def say(self, activity: str) -> None:
         if self.path is None:
@@ -306,15 +321,16 @@ class RankRecord:
             os.replace(temporary, self.path)
 
 
-def read_rank_records(folder: Path) -> dict[int, tuple[int, str]]:
-    """rank → (its process id, its last words) from a `RankRecord` folder."""
+def read_rank_records(folder: Path) -> dict[int, tuple[int, str, float]]:
+    """rank → (its process id, its last words, seconds since its last sign of life) from a `RankRecord` folder."""
     records = {}
     for path in folder.glob("rank-*"):
         if not path.name.removeprefix("rank-").isdigit():
             continue
         with contextlib.suppress(OSError, ValueError):
             pid, _, activity = path.read_text().partition("\n")
-            records[int(path.name.removeprefix("rank-"))] = (int(pid), activity.strip())
+            silent = time.time() - path.stat().st_mtime
+            records[int(path.name.removeprefix("rank-"))] = (int(pid), activity.strip(), silent)
     return records
 
 

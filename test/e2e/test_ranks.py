@@ -190,6 +190,33 @@ def test_a_killed_rank_stops_the_others_naming_it_and_the_last_checkpoint_loads(
     assert not [pid for pid in everyone if Path(f"/proc/{pid}").exists()]
 
 
+def test_a_rank_that_stops_responding_is_ended_and_named_within_30_seconds(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen(command("run", str(EXAMPLE), *SMALL, "--set", "steps=400", "--out", str(out),
+                                       "--ranks", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **ONE_THREAD}, cwd=ROOT)
+    try:
+        wait_for(lambda: len(list_checkpoints(out)) >= 1)
+        victim = rank_process(process.pid, 1)
+        assert victim is not None
+        everyone = descendants(process.pid)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.time()
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert time.time() - stopped < 30
+    assert process.returncode == 1
+    line = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: rank 1 \(process {victim}\) stopped responding \(no sign of life for \d+ s\) "
+                        r"(in step|writing the checkpoint of step) \d+; the other ranks were stopped; the last "
+                        r"checkpoint, \S+/checkpoints/step-\d+, is intact", line), line
+    read_checkpoint(list_checkpoints(out)[-1][1])
+    assert events_of(out, "end")[-1]["status"] == "failed"
+    assert not [pid for pid in everyone if Path(f"/proc/{pid}").exists()]
+
+
 def test_microbatches_that_do_not_divide_are_a_located_error_before_any_rank_starts(tmp_path):
     result = run_cli("run", str(EXAMPLE), "--variant", "smoke", "--set", "microbatches=3", "--ranks", "2",
                      "--out", str(tmp_path / "run"), check=False)

@@ -63,8 +63,8 @@ def test_unknown_parts_are_refused():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "device-check"), "--out", "/nonexistent-out",
                            "--only", "env,benchmark"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert "no part benchmark; the parts are env, smoke, gemms, explain, examples, capture, tiny-gpt, pytest, " \
-           "lowering, bench" in done.stderr
+    assert "no part benchmark; the parts are env, smoke, gemms, explain, examples, capture, tiny-gpt, ranks, " \
+           "pytest, lowering, bench" in done.stderr
 
 
 def test_the_time_plan_fits_a_seven_minute_run():
@@ -76,7 +76,8 @@ def test_the_time_plan_fits_a_seven_minute_run():
     budget = float(lines[0].split("(")[1].split(" s budget")[0])
     parts = [line.split()[0] for line in lines[1:-1]]
     floors = [int(line.split()[1]) for line in lines[1:-1]]
-    assert parts == ["env", "smoke", "gemms", "explain", "examples", "capture", "tiny-gpt", "pytest", "lowering", "bench"]
+    assert parts == ["env", "smoke", "gemms", "explain", "examples", "capture", "tiny-gpt", "ranks", "pytest", "lowering",
+                     "bench"]
     assert int(lines[-1].split()[1]) == sum(floors) <= budget
     assert budget + 40 <= 7 * 60  # setup (the wheels, the links) and the device tool's margin
 

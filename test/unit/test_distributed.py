@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +214,35 @@ def test_a_rank_record_holds_the_pid_and_last_words(monkeypatch, tmp_path):
     monkeypatch.setenv(ranks.RANK_DIRECTORY_VARIABLE, str(tmp_path))
     record = ranks.RankRecord(_Rank(1, 2))
     record.say("in step 7")
-    assert ranks.read_rank_records(tmp_path) == {1: (os.getpid(), "in step 7")}
+    (pid, words, silent), = ranks.read_rank_records(tmp_path).values()
+    assert (pid, words) == (os.getpid(), "in step 7") and 0 <= silent < ranks.HEARTBEAT_SECONDS
+    # The heartbeat keeps it fresh while the words stand.
+    os.utime(record.path, (0, 0))
+    time.sleep(ranks.HEARTBEAT_SECONDS + 0.5)
+    assert ranks.read_rank_records(tmp_path)[1][2] < ranks.HEARTBEAT_SECONDS + 0.5
+
+
+def test_a_rank_silent_too_long_while_its_process_lives_is_ended(tmp_path):
+    from sexpgpu.backends.launch import SILENT_SECONDS, SilenceWatch
+
+    stopped = subprocess.Popen(["sleep", "120"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    for rank, pid in ((0, ended.pid), (1, stopped.pid)):
+        (tmp_path / f"rank-{rank}").write_text(f"{pid}\nin step 7\n")
+        old = time.time() - SILENT_SECONDS - 1
+        os.utime(tmp_path / f"rank-{rank}", (old, old))
+    (tmp_path / "rank-2").write_text(f"{os.getpid()}\nin step 7\n")  # alive and fresh
+    watch = SilenceWatch(tmp_path)
+    watch.start()
+    try:
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        watch.stop()
+        stopped.kill()
+    pid, seconds = watch.silent
+    assert pid == stopped.pid and seconds > SILENT_SECONDS
 
 
 def test_the_explain_document_with_ranks_validates_against_its_schema(capsys):

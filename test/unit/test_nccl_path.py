@@ -201,3 +201,21 @@ def test_training_steps_reduce_through_nccl_after_the_last_backward_and_before_t
             assert call.args[3] == 7 and call.args[-2] == nccl.comm  # f32, the communicator NCCL made
     assert result.step == 3 and len(graphs) > 0
     executor.runtime.close()
+
+
+def test_the_device_checks_nccl_part_runs_over_the_fakes(fake, monkeypatch):
+    """tools/device-check's NCCL half (one rank on a GPU: a torchrun-style world of one and the executor's
+    collectives) over the fakes, where a rank's collectives leave the values as they are."""
+    import importlib.machinery
+    import importlib.util
+
+    fake_nccl.install(monkeypatch, fake, rank=0, size=1)
+    for name in ("SEXPGPU_DEVICES", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    loader = importlib.machinery.SourceFileLoader("device_check", str(EXAMPLES.parent / "tools" / "device-check"))
+    device_check = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(device_check)
+    result = device_check.nccl_one_rank()
+    assert result["device_collectives_unchanged"] and result["host_collectives_unchanged"]
+    assert (result["transport"], result["nccl_version"]) == ("NCCL", "2.32.3")
