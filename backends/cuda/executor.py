@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from ...diagnostics import SxError
 from ...dialects.core import Operation, enclosing_module, module_holding
 from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
@@ -50,7 +49,7 @@ from .graph_plan import GraphPlan, numpy_dtype
 from .lowering import compile_module, lower, module_source
 from .memory import ActivationArena, CudaArray, DevicePool
 from .runtime import DeviceRuntime, DeviceScalars, KernelSource, LoadedModule, PinnedStaging
-from .selection import open_runtime
+from .selection import open_runtime, switch_setting
 
 #: Uploads up to this size go through pinned staging buffers (two of them); larger ones are copied
 #: from pageable memory (initial parameters, a checkpoint's tensors: once per run).
@@ -65,12 +64,7 @@ SIMULATOR_NOTE = ("note: cuda-sim is a simulated CUDA device for tests: the CUDA
 
 def capture_setting() -> bool:
     """`SEXPGPU_CAPTURE`: `0`/`off` turns graph capture off (default on where the driver has it)."""
-    value = (os.environ.get("SEXPGPU_CAPTURE") or "on").strip().lower()
-    if value in ("0", "off", "no", "false"):
-        return False
-    if value in ("1", "on", "yes", "true"):
-        return True
-    raise SxError(f"SEXPGPU_CAPTURE={value} is not on or off")
+    return switch_setting("SEXPGPU_CAPTURE")
 
 
 class LoweredModule:

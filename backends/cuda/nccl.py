@@ -43,7 +43,7 @@ from ..rendezvous import share_bytes
 from .errors import CudaToolchainMissing
 from .memory import CudaArray
 from .runtime import DeviceRuntime
-from .selection import open_runtime
+from .selection import open_runtime, switch_setting
 
 #: ncclDataType_t, by IR dtype.
 DATA_TYPES = {"i8": 0, "u8": 1, "i32": 2, "u32": 3, "i64": 4, "u64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
@@ -212,12 +212,7 @@ class NcclComm:
 
 def nccl_setting() -> bool:
     """`SEXPGPU_NCCL`: `off` makes GPU ranks reduce through MPI by host staging (default on)."""
-    value = (os.environ.get("SEXPGPU_NCCL") or "on").strip().lower()
-    if value in ("0", "off", "no", "false"):
-        return False
-    if value in ("1", "on", "yes", "true"):
-        return True
-    raise SxError(f"SEXPGPU_NCCL={value} is not on or off")
+    return switch_setting("SEXPGPU_NCCL")
 
 
 class NcclCollectives(DeviceCollectives):

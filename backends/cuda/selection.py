@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from ...diagnostics import UsageError
+from ...diagnostics import SxError, UsageError
 from ..distributed import launcher_world, local_rank
 from .runtime import DeviceRuntime, DeviceUnavailable
 
@@ -30,6 +30,17 @@ DEFAULT_DRIVER = "cuda-python"
 #: The units `SEXPGPU_SIM_MEMORY` takes (binary, as the runtime's messages print them); none is bytes.
 MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
                 "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def switch_setting(variable: str) -> bool:
+    """An on/off environment variable (on where unset): `0`/`off`/`no`/`false` or `1`/`on`/`yes`/`true`;
+    anything else is a one-line error."""
+    value = (os.environ.get(variable) or "on").strip().lower()
+    if value in ("0", "off", "no", "false"):
+        return False
+    if value in ("1", "on", "yes", "true"):
+        return True
+    raise SxError(f"{variable}={value} is not on or off")
 
 
 def requested_driver(device: str) -> str:
