@@ -19,7 +19,12 @@ on `cuda`; cuda-sim and `SEXPGPU_NCCL=off` keep MPI's host staging): the
 gradients are summed on a side stream of their own, after everything the
 compute stream has enqueued (the last microbatch's backward) and before
 whatever it enqueues next (the update), ordered by events, the host waiting
-for neither.
+for neither. They sum (`ncclSum`) where llm.c averages: the driver scales
+the step's summed gradient by 1/M once, as on one rank (docs/distributed.md).
+
+`NcclWorld` is the communicator of GPU ranks a `torchrun`-style launcher
+started without MPI: the unique id comes through backends/rendezvous.py,
+and the host values a step shares go through NCCL too.
 """
 
 from __future__ import annotations

@@ -185,14 +185,10 @@ class _Function:
 
 
 def _converted(argtype: Any, value: Any) -> Any:
-    """`value` as the C function receives it through `argtype` (ctypes' own conversion; a `TypeError` for
-    a wrong one): an int for integers, handles and pointers given as integers."""
+    """`value` as the C function receives it through `argtype` (ctypes' own conversion: a `TypeError` for a
+    wrong one); a handle given as a `c_void_p` as its integer."""
     argtype.from_param(value)
-    if isinstance(value, (int, type(None))) and argtype in (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int):
-        return value
-    if isinstance(value, ctypes.c_void_p):
-        return value.value
-    return value
+    return value.value if isinstance(value, ctypes.c_void_p) else value
 
 
 def install(monkeypatch: Any, driver: FakeDriver, rank: int = 0, size: int = 2) -> FakeNccl:
