@@ -275,8 +275,10 @@ class FakeDriver:
     """`cuda.bindings.driver` for one fake GPU (see the module docstring)."""
 
     def __init__(self, *, name: bytes = b"NVIDIA H200", capability: tuple[int, int] = (9, 0),
-                 total_memory: int = 141 << 30, kernel_alignment: Callable[[str], int] | None = None) -> None:
+                 total_memory: int = 141 << 30, kernel_alignment: Callable[[str], int] | None = None,
+                 devices: int = 1) -> None:
         self.name = name
+        self.devices = devices
         self.capability = capability
         self.total_memory = total_memory
         self.kernel_alignment = kernel_alignment
@@ -401,11 +403,11 @@ class FakeDriver:
 
     @driver_call
     def cuDeviceGetCount(self, record):  # noqa: N802
-        return 1
+        return self.devices
 
     @driver_call
     def cuDeviceGet(self, record, ordinal):  # noqa: N802
-        if ordinal != 0:
+        if not 0 <= ordinal < self.devices:
             raise Injected(R.CUDA_ERROR_INVALID_DEVICE)
         return REAL.CUdevice(ordinal)
 

@@ -11,14 +11,23 @@ asserted) and answered as NCCL would:
   not capturing, each buffer lies inside a live device allocation at the extent its count and type
   say and is aligned to its element, and `ncclGroupStart`/`ncclGroupEnd` nest; a breach is recorded
   in the driver's `violations` (the tests assert there is none) and answered `ncclInvalidArgument`;
-- performed on the fake device memory for the ranks of a world whose other ranks are this one's
-  mirror: every rank sent the same bytes as this one (`size` copies of them), so a sum is `size`
-  times the buffer, an all-gather repeats this rank's part, a reduce-scatter sums this rank's part.
+- performed on the fake device memory: with `ThreadRanks`, across ranks that are threads of this
+  process, each over a fake driver of its own (every rank must make the same collectives in the same
+  order, with the same counts, types and reductions, or it is a violation: on NCCL, a hang); without,
+  for a world whose other ranks are this one's mirror: every rank sent the same bytes as this one
+  (`size` copies of them), so a sum is `size` times the buffer, an all-gather repeats this rank's
+  part, a reduce-scatter sums this rank's part.
+
+`ThreadWorld` is the MPI side of thread ranks, `MirrorWorld` of a mirrored world.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import operator
+import pickle
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +35,7 @@ import ml_dtypes
 import numpy as np
 from fake_cuda_driver import Call, FakeDriver
 from sexpgpu.backends.cuda.nccl import DATA_TYPES, REDUCTIONS, SIGNATURES, UNIQUE_ID_BYTES, Nccl
-from sexpgpu.backends.distributed import Communicator
+from sexpgpu.backends.distributed import Communicator, shard_bounds
 
 #: ncclResult_t values the fake answers.
 SUCCESS, INVALID_ARGUMENT, INVALID_USAGE = 0, 4, 5
@@ -44,15 +53,40 @@ class Refused(Exception):
         self.result = result
 
 
-class FakeNccl:
-    """libnccl.so.2 for rank `rank` of `size` mirrored ranks over `driver`'s fake GPU (see the module docstring)."""
+class ThreadRanks:
+    """`size` ranks that are threads of this process: what they exchange meets here."""
 
-    def __init__(self, driver: FakeDriver, rank: int = 0, size: int = 2) -> None:
+    def __init__(self, size: int, seconds: float = 300.0) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=seconds)
+        self._posted: list[Any] = [None] * size
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        """Every rank's `value` (a copy, pickled: no rank sees another's objects), once all have posted."""
+        self._posted[rank] = pickle.dumps(value)
+        self._barrier.wait()
+        every = [pickle.loads(posted) for posted in self._posted]
+        self._barrier.wait()  # no rank posts its next value before every rank has read this one
+        return every
+
+    def abort(self) -> None:
+        """A rank failed: the others' waits end with `threading.BrokenBarrierError`."""
+        self._barrier.abort()
+
+
+class FakeNccl:
+    """libnccl.so.2 for rank `rank` of `size` over `driver`'s fake GPU: the other ranks threads of `network`,
+    or this one's mirrors (see the module docstring)."""
+
+    def __init__(self, driver: FakeDriver, rank: int = 0, size: int = 2, network: ThreadRanks | None = None) -> None:
         self.driver = driver
         self.rank, self.size = rank, size
+        self.network = network
         self.uid = bytes(range(UNIQUE_ID_BYTES))
         self.comm: int | None = None
         self.depth = 0
+        #: The collectives of the group in progress: (what every rank must agree on, what was sent, where it goes).
+        self.queued: list[tuple[tuple, np.ndarray, np.ndarray]] = []
         for name, argtypes in SIGNATURES.items():
             setattr(self, name, _Function(self, name, argtypes))
         self.ncclGetErrorString = lambda result: b"invalid argument" if result == INVALID_ARGUMENT else b"error"
@@ -100,25 +134,58 @@ class FakeNccl:
             self.driver.violation("ncclGroupEnd without ncclGroupStart")
             raise Refused(INVALID_USAGE)
         self.depth -= 1
+        if self.depth == 0:
+            self._perform()
 
     def _ncclAllReduce(self, send, receive, count, dtype, op, comm, stream) -> None:  # noqa: N802
-        sent, received = self._buffers("ncclAllReduce", comm, stream, dtype, (send, count), (receive, count))
-        received[...] = self._reduced(sent, op)
+        self._collective(("ncclAllReduce", count, dtype, op), comm, stream, (send, count), (receive, count))
 
     def _ncclReduceScatter(self, send, receive, count, dtype, op, comm, stream) -> None:  # noqa: N802
-        sent, received = self._buffers("ncclReduceScatter", comm, stream, dtype, (send, self.size * count),
-                                       (receive, count))
-        received[...] = self._reduced(sent[self.rank * count:(self.rank + 1) * count], op)
+        self._collective(("ncclReduceScatter", count, dtype, op), comm, stream, (send, self.size * count),
+                         (receive, count))
 
     def _ncclAllGather(self, send, receive, count, dtype, comm, stream) -> None:  # noqa: N802
-        sent, received = self._buffers("ncclAllGather", comm, stream, dtype, (send, count), (receive, self.size * count))
-        received[...] = np.tile(sent.copy(), self.size)
+        self._collective(("ncclAllGather", count, dtype), comm, stream, (send, count), (receive, self.size * count))
 
     def _ncclBroadcast(self, send, receive, count, dtype, root, comm, stream) -> None:  # noqa: N802
         if not 0 <= root < self.size:
             self._refuse(f"ncclBroadcast from root {root} of {self.size}")
-        sent, received = self._buffers("ncclBroadcast", comm, stream, dtype, (send, count), (receive, count))
-        received[...] = sent
+        self._collective(("ncclBroadcast", count, dtype, root), comm, stream, (send, count), (receive, count))
+
+    # -- performing ---------------------------------------------------------------------------------
+
+    def _collective(self, what: tuple, comm: int, stream: int, send: tuple[int, int], receive: tuple[int, int]) -> None:
+        """Queue the collective (what was sent copied now, as NCCL reads it in order); a lone one runs at once."""
+        name, _, dtype, *_ = what
+        sent, received = self._buffers(name, comm, stream, dtype, send, receive)
+        if what[0] in ("ncclAllReduce", "ncclReduceScatter") and what[3] not in REDUCTIONS.values():
+            self._refuse(f"{name} with reduction {what[3]}, which is no ncclRedOp_t")
+        self.queued.append((what, sent.copy(), received))
+        if self.depth == 0:
+            self._perform()
+
+    def _perform(self) -> None:
+        queued, self.queued = self.queued, []
+        if self.network is None:
+            every = [[sent for _, sent, _ in queued]] * self.size
+        else:
+            posted = self.network.exchange(self.rank, [(what, sent) for what, sent, _ in queued])
+            agreed = [[what for what, _ in calls] for calls in posted]
+            if any(calls != agreed[self.rank] for calls in agreed):
+                self._refuse(f"the ranks made different collectives (on NCCL, a hang): {agreed}")
+            every = [[sent for _, sent in calls] for calls in posted]
+        for index, (what, _, received) in enumerate(queued):
+            received[...] = self._result(what, [sends[index] for sends in every])
+
+    def _result(self, what: tuple, sent: list[np.ndarray]) -> np.ndarray:
+        """What this rank receives of the collective `what`, each rank having sent `sent[rank]`."""
+        name, count = what[0], what[1]
+        if name == "ncclAllGather":
+            return np.concatenate(sent)
+        if name == "ncclBroadcast":
+            return sent[what[3]]
+        reduced = self._reduced(sent, what[3])
+        return reduced[self.rank * count:(self.rank + 1) * count] if name == "ncclReduceScatter" else reduced
 
     # -- checks -------------------------------------------------------------------------------------
 
@@ -147,16 +214,12 @@ class FakeNccl:
             views.append(span.view(kind))
         return views
 
-    def _reduced(self, values: np.ndarray, op: int) -> np.ndarray:
-        """The reduction over `size` ranks that each sent `values`."""
-        if op == REDUCTIONS["sum"]:
-            return (values.astype(np.float64) * self.size).astype(values.dtype)
-        if op in (REDUCTIONS["avg"], REDUCTIONS["max"], REDUCTIONS["min"]):
-            return values.copy()
-        if op == REDUCTIONS["prod"]:
-            return (values.astype(np.float64) ** self.size).astype(values.dtype)
-        self._refuse(f"a reduction {op}, which is no ncclRedOp_t")
-        raise AssertionError("unreachable")
+    def _reduced(self, sent: list[np.ndarray], op: int) -> np.ndarray:
+        """The element-wise reduction of every rank's buffer, in rank order."""
+        combine = {REDUCTIONS["sum"]: operator.add, REDUCTIONS["avg"]: operator.add, REDUCTIONS["prod"]: operator.mul,
+                   REDUCTIONS["max"]: np.maximum, REDUCTIONS["min"]: np.minimum}[op]
+        reduced = functools.reduce(combine, sent[1:], sent[0].copy())
+        return (reduced / len(sent)).astype(reduced.dtype) if op == REDUCTIONS["avg"] else reduced
 
 
 class _Function:
@@ -192,7 +255,7 @@ def _converted(argtype: Any, value: Any) -> Any:
 
 
 def install(monkeypatch: Any, driver: FakeDriver, rank: int = 0, size: int = 2) -> FakeNccl:
-    """Make `backends/cuda/nccl.py` load a new fake libnccl over `driver` for the test."""
+    """Make `backends/cuda/nccl.py` load a new fake libnccl over `driver`, for a mirrored world, for the test."""
     from sexpgpu.backends.cuda import nccl
 
     library = FakeNccl(driver, rank, size)
@@ -234,4 +297,45 @@ class MirrorWorld(Communicator):
         return [value if rank == self.rank else self.peer(value, rank) for rank in range(self.size)] if self.is_root else None
 
     def abort(self, code: int) -> None:
+        raise SystemExit(code)
+
+
+class ThreadWorld(Communicator):
+    """The MPI side of rank `rank` of `ranks` (threads of this process): each collective an exchange of
+    copies, reduced in rank order as MPI's fixed order does."""
+
+    transport = "MPI"
+
+    def __init__(self, ranks: ThreadRanks, rank: int) -> None:
+        self.ranks = ranks
+        self.rank, self.size = rank, ranks.size
+
+    def _every(self, value: Any) -> list[Any]:
+        return self.ranks.exchange(self.rank, value)
+
+    def sum_into(self, buffer: np.ndarray) -> None:
+        buffer[...] = functools.reduce(operator.add, self._every(buffer))
+
+    def reduce_scatter(self, buffer: np.ndarray, shard: np.ndarray) -> None:
+        start, stop = shard_bounds(buffer.size, self.size)[self.rank]
+        shard[...] = functools.reduce(operator.add, self._every(buffer))[start:stop]
+
+    def all_gather(self, shard: np.ndarray, buffer: np.ndarray) -> None:
+        buffer[...] = np.concatenate(self._every(shard))
+
+    def share(self, buffer: np.ndarray, root: int) -> None:
+        buffer[...] = self._every(buffer)[root]
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        return [float(sum(column)) for column in zip(*self._every([float(v) for v in values]))]
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        return self._every(value)[root]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        every = self._every(value)
+        return every if self.is_root else None
+
+    def abort(self, code: int) -> None:
+        self.ranks.abort()
         raise SystemExit(code)

@@ -1,7 +1,8 @@
 """GPU ranks reduce through NCCL (backends/cuda/nccl.py `NcclCollectives`, docs/distributed.md), run
 without a GPU: the real CUDA executor and `CudaRuntime` over the fake driver (`fake_cuda_driver.py`),
 the real NCCL layer over a fake libnccl (`fake_nccl.py`) that checks every argument and performs the
-collective for a world of 2 ranks whose other rank mirrors this one (`MirrorWorld`).
+collectives: for a world of 2 ranks whose other rank mirrors this one (`MirrorWorld`), and across two
+ranks that are threads of this process, each with a fake GPU of its own (`ThreadRanks`).
 
 What is checked: the collectives move the data as NCCL's would; each runs on the side stream after an
 event of the compute stream, and the compute stream waits for an event after it before its next
@@ -11,7 +12,9 @@ cannot serve (cuda-sim, `SEXPGPU_NCCL=off`, ranks sharing a GPU, NCCL missing)."
 
 from __future__ import annotations
 
+import functools
 import io
+import threading
 from pathlib import Path
 
 import fake_cuda_driver
@@ -219,3 +222,61 @@ def test_the_device_checks_nccl_part_runs_over_the_fakes(fake, monkeypatch):
     result = device_check.nccl_one_rank()
     assert result["device_collectives_unchanged"] and result["host_collectives_unchanged"]
     assert (result["transport"], result["nccl_version"]) == ("NCCL", "2.32.3")
+
+
+def test_two_thread_ranks_train_through_nccl_making_the_same_collectives(monkeypatch, tmp_path):
+    """Two ranks of examples/gpt.sx smoke (2 of the 4 microbatches each), 2 steps, as threads of this process,
+    each with a fake GPU of its own (devices 0 and 1) and a fake libnccl that performs every collective
+    across the two and checks both make the same ones in the same order (a mismatch hangs NCCL): the
+    unique id reaches rank 1 through the MPI side, both train to the end, and only rank 0 writes the record."""
+    from types import SimpleNamespace
+
+    from sexpgpu.backends.cuda import cublaslt
+    from sexpgpu.backends.cuda.nccl import Nccl
+
+    alignments = SimpleNamespace()
+    record_alignments(monkeypatch, alignments)
+    local = threading.local()
+    monkeypatch.setattr(driver_cuda, "load_driver", lambda: local.driver)
+    monkeypatch.setattr(cublaslt, "cublaslt_library", lambda: local.cublas)
+    monkeypatch.setattr(cublaslt, "descriptors_for", lambda spec: local.descriptors(spec))
+    monkeypatch.setattr(nccl_layer, "load_nccl", lambda: local.nccl)
+    monkeypatch.delenv("SEXPGPU_NCCL", raising=False)
+    network = fake_nccl.ThreadRanks(2)
+    plans = [TrainingPlan.compile(str(EXAMPLES / "gpt.sx"), "smoke", {"steps": 2}) for _ in range(2)]
+    drivers, libraries, results, failures = {}, {}, {}, []
+
+    def rank(index: int) -> None:
+        try:
+            local.driver = drivers[index] = fake_cuda_driver.FakeDriver(
+                devices=2, kernel_alignment=lambda name: alignments.kernel_alignment(name))
+            local.cublas = local.driver.cublaslt = fake_cuda_driver.FakeCublasLt(local.driver)
+            local.descriptors = functools.cache(cublaslt.GemmDescriptors)
+            libraries[index] = fake_nccl.FakeNccl(local.driver, index, 2, network)
+            local.nccl = Nccl(libraries[index], "fake libnccl.so.2")
+            executor = CudaExecutor("cuda", runtime=driver_cuda.CudaRuntime(index))
+            trainer = Trainer(plans[index], tmp_path / "run", None, io.StringIO(), False, executor,
+                              world=fake_nccl.ThreadWorld(network, index))
+            assert isinstance(trainer.collectives, NcclCollectives)
+            results[index] = trainer.run()
+            executor.runtime.close()
+        except BaseException as failure:  # the other rank would wait for this one at its next collective
+            failures.append(failure)
+            network.abort()
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    if failures:
+        raise failures[0]
+    assert [(results[i].status, results[i].step) for i in range(2)] == [("done", 2), ("done", 2)]
+    made = []
+    for index in range(2):
+        assert drivers[index].violations == []
+        made.append([(call.name, *call.args[2:4]) for call in libraries[index].calls() if call.name in
+                     ("ncclAllReduce", "ncclReduceScatter", "ncclAllGather", "ncclBroadcast")])
+    assert made[0] == made[1]  # (name, count, datatype) of each collective, in order: the same on both ranks
+    assert {"ncclReduceScatter", "ncclAllGather"} <= {name for name, _, _ in made[0]}
+    assert (tmp_path / "run" / "events.jsonl").exists()
