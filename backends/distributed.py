@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -299,18 +299,18 @@ def import_mpi(ranks: int) -> Any:
     return MPI
 
 
-def open_communicator(device: str = "cpu") -> Communicator:
+def open_communicator(device: str = "cpu",
+                      gpu_world: Callable[[int, int], Communicator] | None = None) -> Communicator:
     """The communicator of this process: MPI's world when an MPI launcher started it among several ranks;
-    for GPU ranks of a `torchrun`-style launch, NCCL's (`cuda.nccl.NcclWorld`); else a single process."""
+    for the ranks of a `torchrun`-style launch, `gpu_world(rank, size)` (NCCL's, `cuda.nccl.NcclWorld`,
+    which the caller gives for `--device cuda`); else a single process."""
     world = launcher_world()
     if world is None or world[1] == 1:
         return SingleProcess()
     rank, size, variables = world
     if variables == "/".join(TORCHRUN_VARIABLES):
-        if device == "cuda":
-            from .cuda.nccl import NcclWorld
-
-            return NcclWorld(rank, size)
+        if gpu_world is not None:
+            return gpu_world(rank, size)
         raise SxError(f"{variables} say this is rank {rank} of {size}, but ranks on {device} meet through MPI's "
                       f"collectives, which those variables cannot join: start them with `mpiexec -n {size} "
                       f"sexpgpu run ...` or `sexpgpu run --ranks {size}` (docs/distributed.md)")

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..backends.training import train
 from ..diagnostics import UsageError
 from ..report.lowering_text import lowering_text
 from .common import add_device_flag, add_ranks_flag, guarded, requested_ranks
+
+if TYPE_CHECKING:
+    from ..backends.distributed import Communicator
 
 
 def positive_int(text: str) -> int:
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = requested_ranks(args)
     if ranks > 1 and launcher_world() is None:
         return start_ranks(args, ranks)
-    world = open_communicator(args.device)
+    world = open_communicator(args.device, gpu_world() if args.device == "cuda" else None)
     if args.ranks is not None and args.ranks != world.size:
         raise UsageError(f"--ranks {args.ranks}, but the launcher started {world.size} ranks")
 
@@ -88,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         world.abort(code)
     return code
+
+
+def gpu_world() -> Callable[[int, int], Communicator]:
+    """The communicator of GPU ranks a `torchrun`-style launcher started (NCCL's)."""
+    from ..backends.cuda.nccl import NcclWorld
+
+    return NcclWorld
 
 
 def start_ranks(args: argparse.Namespace, ranks: int) -> int:
