@@ -21,7 +21,8 @@ operand, or of a shape or index op whose data operand is f32-kept. Then:
   GELU's 1/√2, its derivative's 2/√π) runs in f32 with the constant as it is
   and its result is cast to bf16 right after: the constants of a kernel's
   arithmetic keep their f32 value, as autocast and llm.c keep them, and the
-  value rounds to bf16 once, where the bf16 op would have rounded it;
+  value rounds to bf16 once, where the bf16 op would have rounded it (no
+  `kept_f32` site: the result is bf16);
 - a reduction runs in f32 (a bf16 operand is cast to f32 first);
 - compare and concat ops with mixed operands promote them to f32;
 - metric, counter and observe operands are cast to f32;
