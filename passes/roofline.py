@@ -11,8 +11,8 @@ Two halves, so a cached lowering document serves every GPU:
 The model of one launch: `time = max(bytes / bandwidth, FLOPs / peak) + launch cost`. Bytes are what the
 launch touches in device memory: every output written once; an input of a fused kernel read once per
 distinct element its index map reaches (a broadcast reads its source, a gather the rows the indices
-name, never more than the tensor holds); a template kernel reads its inputs whole (a gather template
-the rows it takes); a GEMM reads A, B (a rank-2 operand shared by the batch once), the bias and C when
+name, never more than the tensor holds); a template kernel reads its inputs whole (a gather or copy
+template at most one output's worth of its source); a GEMM reads A, B (a rank-2 operand shared by the batch once), the bias and C when
 it has them. FLOPs: a GEMM 2·m·n·k·batch; a fused kernel each arithmetic op of its body once per
 element of its domain (after a `kern.reduce`, once per kept element); a row or cross-entropy program a
 fixed count per element of its input (`ROW_FLOPS`, `CROSS_ENTROPY_FLOPS`); copies, fills and gathers
@@ -29,7 +29,7 @@ from typing import Any
 
 from attrs import frozen
 
-from ..dialects.core import Operation, TensorType
+from ..dialects.core import DTYPE_BYTES, Operation, TensorType
 from ..dialects.kern import BODY_KINDS, gemm_dims
 
 #: FLOPs per element of a row program's input (step 0; a later step, a column sum, adds its input once):
@@ -151,28 +151,26 @@ def _kernel_reads_and_flops(kernel: Operation) -> tuple[int, int]:
     inputs: list[TensorType] = attrs["inputs"]
     kind = attrs["kind"]
     if kind in BODY_KINDS:
-        domain = attrs["domain"]
-        maps = attrs["maps"]
-        read = sum(min(t.numel, _reached(m, maps, domain)) * t.nbytes // max(t.numel, 1)
-                   for t, m in zip(inputs, maps))
-        return read, _body_flops(kernel)
-    first_step = attrs.get("step", 0) == 0
-    if kind == "gather":
-        # The float input is the table: a launch reads the rows its indices name, one output's worth at most.
+        domain, maps = attrs["domain"], attrs["maps"]
+        return sum(_touched(t, _reached(m, maps, domain)) for t, m in zip(inputs, maps)), _body_flops(kernel)
+    if kind in ("gather", "copy"):
+        # Indices are read whole; a table or a strided source at most one output's worth (what is taken).
         out = sum(t.numel for t in attrs["outputs"])
-        read = sum(t.nbytes if t.dtype.startswith("i") else min(t.numel, out) * t.nbytes // max(t.numel, 1)
-                   for t in inputs)
-        return read, 0
+        return sum(t.nbytes if t.dtype.startswith("i") else _touched(t, out) for t in inputs), 0
     read = sum(t.nbytes for t in inputs)
-    if kind == "row":
-        per_element = ROW_FLOPS[attrs["family"]] if first_step else 1
-        return read, per_element * (inputs[0].numel if first_step else sum(t.numel for t in inputs))
-    if kind == "cross_entropy":
-        per_element = CROSS_ENTROPY_FLOPS[attrs["direction"]] if first_step else 1
-        return read, per_element * (inputs[0].numel if first_step else sum(t.numel for t in inputs))
+    if kind in ("row", "cross_entropy"):
+        if attrs.get("step", 0) > 0:  # a later step (column sums, the loss's sum) adds its inputs once
+            return read, sum(t.numel for t in inputs)
+        per_element = ROW_FLOPS[attrs["family"]] if kind == "row" else CROSS_ENTROPY_FLOPS[attrs["direction"]]
+        return read, per_element * inputs[0].numel
     if kind == "scatter_add":
         return read, max(t.numel for t in inputs if not t.dtype.startswith("i"))
-    return read, 0  # copy, fill: data movement only
+    return read, 0  # fill: data movement only
+
+
+def _touched(tensor: TensorType, elements: int) -> int:
+    """Bytes of `tensor` a launch reaching `elements` of its elements reads: never more than it holds."""
+    return min(tensor.numel, elements) * DTYPE_BYTES[tensor.dtype]
 
 
 def _reached(index_map: Mapping[str, Any], maps: Sequence[Mapping[str, Any]], domain: Sequence[int]) -> int:
