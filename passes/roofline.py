@@ -46,6 +46,9 @@ ROW_FLOPS = {
 }
 #: FLOPs per logit of the cross-entropy tail (step 0; the loss's sum step adds its input once).
 CROSS_ENTROPY_FLOPS = {"forward": 4, "backward": 4}
+#: Kernel kinds whose FLOPs the model counts; a kind added to the `kern` dialect later is counted by its
+#: bytes alone until it is added here, and the estimate names it (`unmodelled`).
+MODELLED_KINDS = frozenset((*BODY_KINDS, "row", "cross_entropy", "gather", "scatter_add", "copy", "fill"))
 #: Body ops that cost no arithmetic: constants, index expressions, conversions and the yield.
 FREE_BODY_OPS = frozenset({"graph.const", "kern.index", "graph.cast", "kern.yield"})
 #: The CUDA executor captures a graph launching at least this many kernels a call, once warm
@@ -132,8 +135,9 @@ def launch_costs(func: Operation, kernels: Mapping[str, Operation]) -> list[dict
             kernel = kernels[op.attributes["kernel"].name]
             read, flops = _kernel_reads_and_flops(kernel)
             written = sum(t.nbytes for t in kernel.attributes["outputs"])
-            costs.append({"kernel": kernel.attributes["sym_name"], "path": op.attributes.get("path") or None,
-                          "bytes": read + written, "flops": flops, "gemm": False, "math": None})
+            costs.append({"kernel": kernel.attributes["sym_name"], "kind": kernel.attributes["kind"],
+                          "path": op.attributes.get("path") or None, "bytes": read + written, "flops": flops,
+                          "gemm": False, "math": None})
     return costs
 
 
@@ -141,7 +145,7 @@ def _gemm_cost(op: Operation) -> dict[str, Any]:
     m, n, k = gemm_dims(op)
     batch = op.attributes["batch"]
     moved = sum(v.type.nbytes for v in op.operands) + sum(r.type.nbytes for r in op.results)
-    return {"kernel": "gemm", "path": op.attributes.get("path") or None, "bytes": moved,
+    return {"kernel": "gemm", "kind": "gemm", "path": op.attributes.get("path") or None, "bytes": moved,
             "flops": 2 * m * n * k * batch, "gemm": True, "math": op.operands[0].type.dtype}
 
 
@@ -165,7 +169,7 @@ def _kernel_reads_and_flops(kernel: Operation) -> tuple[int, int]:
         return read, per_element * inputs[0].numel
     if kind == "scatter_add":
         return read, max(t.numel for t in inputs if not t.dtype.startswith("i"))
-    return read, 0  # fill: data movement only
+    return read, 0  # fill: data movement only; a kind outside MODELLED_KINDS: its bytes alone
 
 
 def _touched(tensor: TensorType, elements: int) -> int:
@@ -309,6 +313,7 @@ def estimate(document: Mapping[str, Any], gpu: Gpu, tokens_per_step: int | None)
     gemm_math = max(math_flops, key=lambda m: math_flops[m]) if math_flops else "bf16"
     peak = gpu.bf16_peak if gemm_math in ("bf16", "f16") else gpu.f32_peak
     timed.sort(key=lambda t: -t[0])
+    unmodelled = sorted({c["kind"] for _, _, c in timed if c["kind"] != "gemm" and c["kind"] not in MODELLED_KINDS})
     return {
         "gpu": gpu.key,
         "gpu_name": gpu.name,
@@ -327,6 +332,7 @@ def estimate(document: Mapping[str, Any], gpu: Gpu, tokens_per_step: int | None)
         "launches": step["launches"],
         "shares": {key: step[key] / seconds if seconds else 0.0
                    for key in ("gemm", "memory_bound", "compute_bound", "launch")},
+        "unmodelled": unmodelled,
         "top": [{"row": name, "kernel": cost["kernel"], "path": cost["path"], "ms_per_step": total * 1e3,
                  "bytes": cost["bytes"], "flops": cost["flops"]} for total, name, cost in timed[:10]],
     }

@@ -124,8 +124,11 @@ def _estimate_lines(estimate: dict[str, Any]) -> list[tuple[str, str]]:
     figures = (f"{gpu.name}: {gpu.bandwidth / 1e12:.2f} TB/s, bf16 {gpu.bf16_peak / 1e12:.0f} TFLOP/s dense "
                f"({gpu.gemm_fraction:.0%} of it in GEMMs), f32 {gpu.f32_peak / 1e12:.1f} TFLOP/s; launches "
                f"{gpu.launch_captured * 1e6:.1f} µs captured, {gpu.launch_uncaptured * 1e6:.1f} µs not")
-    return [("estimate", step), ("", "spent in " + ", ".join(spent)), ("gpu", figures),
-            ("", f"from the {gpu.source}")]
+    lines = [("estimate", step), ("", "spent in " + ", ".join(spent))]
+    if estimate["unmodelled"]:
+        lines.append(("", f"{', '.join(estimate['unmodelled'])} kernels counted by their bytes, not their FLOPs "
+                          "(no model of their arithmetic)"))
+    return [*lines, ("gpu", figures), ("", f"from the {gpu.source}")]
 
 
 def _family_kernels(group: dict[str, Any]) -> str:
