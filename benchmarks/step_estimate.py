@@ -56,6 +56,8 @@ def main() -> None:
         print(f"  MFU                 {modelled['mfu']:.1%} ({modelled['mfu_dtype']} dense peak)")
         print(f"  shares              GEMMs {shares['gemm']:.1%}, memory-bound kernels {shares['memory_bound']:.1%}, "
               f"compute-bound kernels {shares['compute_bound']:.1%}, launches {shares['launch']:.1%}")
+        if modelled["unmodelled"]:
+            print(f"  no FLOP model       {', '.join(modelled['unmodelled'])} kernels (counted by their bytes)")
         print(f"  top {min(args.top, len(modelled['top']))} launches by modelled time:")
         for launch in modelled["top"][:args.top]:
             print(f"    {launch['ms_per_step']:7.3f} ms  {launch['bytes'] / 1e6:9.1f} MB  {launch['flops'] / 1e9:9.1f} GFLOP  "
