@@ -16,6 +16,13 @@ operand, or of a shape or index op whose data operand is f32-kept. Then:
   in f32 (bf16 operands cast to f32), any other pointwise op runs in bf16;
   this keeps the `exp`/`sub`/`div` around softmax and normalization
   reductions, log-softmax, the loss and whatever reduced values feed, in f32;
+- a pointwise op that would run in bf16 but has a constant operand bf16
+  cannot hold exactly (a splat `graph.const`, possibly broadcast or reshaped:
+  GELU's 1/√2, its derivative's 2/√π) runs in f32 with the constant as it is
+  and its result is cast to bf16 right after: the constants of a kernel's
+  arithmetic keep their f32 value, as autocast and llm.c keep them, and the
+  value rounds to bf16 once, where the bf16 op would have rounded it (no
+  `kept_f32` site: the result is bf16);
 - a reduction runs in f32 (a bf16 operand is cast to f32 first);
 - compare and concat ops with mixed operands promote them to f32;
 - metric, counter and observe operands are cast to f32;
@@ -33,6 +40,8 @@ f32, and `unit.facts.cast_policy`.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any
 
 from attrs import define
@@ -41,7 +50,7 @@ from ..diagnostics import SxError
 from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Value
 from ..dialects.exp import MODEL_GRAPH_KINDS, PRECISIONS
 from ..dialects.graph import data_operand, func_kind
-from ..dialects.traits import Trait, has_trait, ops_with
+from ..dialects.traits import SPLAT_PRESERVING_OPS, Trait, has_trait, ops_with
 from .manager import CompilationUnit, Pass, register_pass
 
 POLICIES = ("auto", *PRECISIONS)
@@ -79,6 +88,21 @@ class GraphCaster:
             self.added += 1
         user.set_operand(index, self.casts[key])
 
+    def round_result(self, op: Operation) -> None:
+        """`op` computing in f32 (its result type inferred again), its users reading the result through one
+        cast to bf16 placed right after it."""
+        opdef = op.opdef
+        assert opdef is not None and op.next_op is not None
+        op.result.type = opdef.infer([v.type for v in op.operands], op.attributes)[0]
+        attrs: dict[str, Any] = {"dtype": "bf16"}
+        if "path" in op.attributes:
+            attrs["path"] = op.attributes["path"]
+        cast = Builder(self.func.body, anchor=op.next_op).create("graph.cast", [op.result], attrs, loc=op.loc)
+        # Every reader of the result, the new cast included, reads the cast; the cast then reads the result.
+        op.result.replace_all_uses_with(cast.result)
+        cast.set_operand(0, op.result)
+        self.added += 1
+
     def is_kept(self, value: Value) -> bool:
         return id(value) in self.kept
 
@@ -98,8 +122,11 @@ class GraphCaster:
                 self.cast(op, i, "bf16")
         elif op.name in POINTWISE and floats:
             kept = any(self.is_kept(op.operands[i]) for i in floats)
+            exact = not kept and any(not bf16_exact(op.operands[i]) for i in floats)
             for i in floats:
-                self.cast(op, i, "f32" if kept else "bf16")
+                self.cast(op, i, "f32" if kept or exact else "bf16")
+            if exact:
+                self.round_result(op)
         elif has_trait(op, Trait.REDUCTION):
             kept = True
             self.cast(op, 0, "f32")
@@ -120,6 +147,23 @@ class GraphCaster:
             for result, type_ in zip(op.results, inferred):
                 result.type = type_
         return kept
+
+
+def bf16_exact(value: Value) -> bool:
+    """False for a splat constant (through views) whose f32 value bf16 cannot hold; True for anything else."""
+    op = value.op
+    while op is not None and op.name in SPLAT_PRESERVING_OPS and op.operands:
+        op = op.operands[0].op
+    if op is None or op.name != "graph.const":
+        return True
+    constant = op.attributes["value"]
+    if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
+        return True
+    try:
+        bits = struct.unpack("<I", struct.pack("<f", constant))[0]
+    except OverflowError:  # beyond f32: the f32 constant is infinite, which bf16 holds
+        return True
+    return bits & 0xFFFF == 0
 
 
 def op_kind(op: Operation) -> str:

@@ -39,6 +39,7 @@ from ..dialects.exp import GRAPH_ORDER, graph_title
 from ..dialects.graph import func_kind, graph_funcs
 from ..dialects.kern import gemm_dims
 from .manager import LoweringPassFacts, UnitFacts
+from .roofline import launch_costs
 
 #: The report group of the update kernels (one per optimizer group when its graphs merge, as llm.c's AdamW).
 UPDATE_GROUP = "pointwise programs"
@@ -135,9 +136,11 @@ class LoweringFacts:
 
 
 def without_launches(document: dict[str, Any]) -> dict[str, Any]:
-    """`document` without the launch lists (`SEXPGPU_EXPLAIN` unset), in place, and returned."""
+    """`document` without the launch lists and each launch's costs (`SEXPGPU_EXPLAIN` unset), in place, and
+    returned."""
     for row in document["rows"]:
         row.pop("launches", None)
+        row.pop("launch_costs", None)
     return document
 
 
@@ -170,9 +173,14 @@ def _rows(module: Operation, lowering: LoweringPassFacts, kernels: Mapping[str, 
             "fused_groups": sizes,
             "arena_bytes": max((lowering.arenas.get(s, 0) for s in symbols), default=0),
             "captured": None,
+            "bytes": 0,
+            "flops": 0,
+            "launch_costs": [cost for f in members for cost in launch_costs(f, kernels)],
             "families": _update_families(title, members, merged, lowering) if kind == "update"
             else _pattern_families([patterns.get(s, {}) for s in symbols]),
         }
+        row["bytes"] = sum(cost["bytes"] for cost in row["launch_costs"])
+        row["flops"] = sum(cost["flops"] for cost in row["launch_costs"])
         if launches:
             row["launches"] = launch_list(members[0], kernels)
         rows.append(row)

@@ -10,6 +10,9 @@ architecture, or for `--target` without opening a device (docs/cuda.md,
 simulated `cuda-sim`) and prepares the run as `run` does before its first step
 (every graph compiled, the parameters, gradients and states allocated, the
 stacking chosen), so the report says what that device chose; it reads no data.
+`--gpu NAME` (h200, h100, a100) adds the roofline estimate of a training step on that
+GPU (`passes/roofline.py`): each row's modelled time and the step's (docs/cuda.md, "The
+step estimate").
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import sys
 from typing import TextIO
 
 from ..backends.devices import open_device, require_available
-from ..diagnostics import UsageError
+from ..diagnostics import SxError, UsageError
+from ..passes.lowering_report import without_launches
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
+from ..passes.roofline import GPUS, Gpu, estimate, stacking_on, unknown_gpu_message
 from ..report.document import build_document, ranks_document
 from ..report.explain_text import render_text
 from .common import add_device_flag, add_ranks_flag, requested_ranks
@@ -36,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "unless --target")
     parser.add_argument("--target", metavar="ARCH",
                         help="with --device cuda: lower and compile for ARCH (sm_80, sm_90) without opening a device")
+    parser.add_argument("--gpu", metavar="NAME",
+                        help=f"with --device cuda: model a training step's time on NAME ({', '.join(GPUS)})")
     add_ranks_flag(parser, "add how a step splits over N data-parallel ranks (default: 1, or one per SEXPGPU_DEVICES id)")
 
 
@@ -81,9 +88,67 @@ def with_ranks(document: dict, unit: CompilationUnit, ranks: int) -> dict:
     return document
 
 
+def requested_gpu(args: argparse.Namespace) -> Gpu | None:
+    """The GPU `--gpu` names, None without it; a name not in the table is one line and exit 1."""
+    if args.gpu is None:
+        return None
+    if args.device != "cuda":
+        raise UsageError("--gpu needs --device cuda: it models the CUDA lowering's launches on that GPU")
+    if args.gpu not in GPUS:
+        raise SxError(unknown_gpu_message(args.gpu))
+    return GPUS[args.gpu]
+
+
+def with_estimate(document: dict, gpu: Gpu | None, launches: bool) -> dict:
+    """The document with the step estimate on `gpu` under `device` (when one is named), then without each
+    launch's costs unless `SEXPGPU_EXPLAIN=kernels` asked for them."""
+    device = document["device"]
+    if device is None:
+        return document
+    if gpu is not None:
+        tokens = next((c["per_step"] for c in document["step"]["counters"] if c["name"] == "tokens" and c["static"]),
+                      None)
+        device["estimate"] = estimate(device, gpu, tokens)
+    if not launches:
+        without_launches(device)
+    return document
+
+
+def gpu_stacking(device: dict, gpu: Gpu) -> int | None:
+    """The stacking degree a run on `gpu` would choose for the lowering document `device`
+    (`roofline.stacking_on`), None for one microbatch a call. A microbatch's activations are its share of
+    the `train stacked` row's arena (of `train`'s without one), as lowered."""
+    rows = {row["kind"]: row for row in device["rows"]}
+    stacked = rows.get("train_stacked")
+    per_microbatch = (stacked["arena_bytes"] // device["stacking"]["planned"] if stacked is not None
+                      else rows["train"]["arena_bytes"] if "train" in rows else 0)
+    k = stacking_on(gpu, device["stacking"]["degrees"], device["memory"]["persistent_bytes"], per_microbatch)
+    return k if k > 1 else None
+
+
+def target_document(file: str, variant: str | None, sets: list[str], arch: str, gpu: Gpu | None,
+                    ranks: int = 1) -> dict:
+    """The report's document of `file` with its lowering for `arch` under `device`, every launch's list and
+    costs kept, no device opened (`--target`). `train stacked` is lowered at the smallest degree above 1, or
+    with `gpu` at the degree a run on that GPU would choose."""
+    from ..backends.cuda.lowering import lowering_report, stack_for_report
+
+    unit = compile_unit(file, variant, sets)
+    document = build_document(unit.module, unit.facts, unit.path)
+    if ranks > 1:
+        with_ranks(document, unit, ranks)
+    document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=True)
+    stack = gpu_stacking(document["device"], gpu) if gpu is not None else None
+    if stack is not None and stack != document["device"]["stacking"]["planned"]:
+        # The lowering above rewrote the unit: the degree the GPU takes is lowered from a fresh one.
+        document["device"] = lowering_report(compile_unit(file, variant, sets), arch, stack=stack, launches=True)
+    return document
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target is not None and args.device != "cuda":
         raise UsageError("--target needs --device cuda: it names the architecture the CUDA lowering compiles for")
+    gpu = requested_gpu(args)
     ranks = requested_ranks(args)
     if args.device == "cpu" and ranks > 1:
         require_available(args.device, "explain")
@@ -99,16 +164,12 @@ def run(args: argparse.Namespace) -> int:
     if args.target is None:
         document = opened_device_document(args)
     else:
-        from ..backends.cuda.lowering import check_target, lowering_report, stack_for_report
+        from ..backends.cuda.lowering import check_target
         from ..backends.cuda.nvrtc import nvrtc_toolchain
 
         nvrtc_toolchain()  # without the cuda extra: one line naming the install command, before any work
-        arch = check_target(args.target)
-        unit = compile_unit(args.file, args.variant, args.set)
-        document = build_document(unit.module, unit.facts, unit.path)
-        if ranks > 1:
-            with_ranks(document, unit, ranks)
-        document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=launches)
+        document = target_document(args.file, args.variant, args.set, check_target(args.target), gpu, ranks)
+    with_estimate(document, gpu, launches)
     if args.json:
         sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     else:

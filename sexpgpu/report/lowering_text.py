@@ -15,6 +15,7 @@ from typing import Any
 from ..byte_text import show_bytes
 from ..dialects.graph import show_shape
 from ..passes.lowering_report import DeviceFacts, LoweringFacts, apply_device
+from ..passes.roofline import GPUS
 from .text import compress_paths, plural, table
 
 #: The lowering report's first column (row names, run-wide keys) is at least this wide, as on the seed page.
@@ -46,8 +47,10 @@ def render_lowering(document: dict[str, Any], device: DeviceFacts | None = None)
     lines = [f"lowering: {doc['executor']} {target} {doc['name'] or '(device not measured)'}, "
              f"patterns {'on' if doc['patterns'] else 'off'}"]
     train_lines: list[str] | None = None
+    estimate = doc.get("estimate")
     for row in rows:
-        lines.append(f"  {row['name']:<{name_width}}  {_lowering_row(row)}")
+        modelled = _modelled_row(estimate["rows"][row["name"]]) if estimate is not None else ""
+        lines.append(f"  {row['name']:<{name_width}}  {_lowering_row(row)}{modelled}")
         # A row's family lines align their paths: two spaces past its longest kernel list, at least.
         kernels_width = max([FAMILY_KERNELS_WIDTH, *(len(_family_kernels(g)) + 2 for g in row["families"])])
         family_lines = [line for g in row["families"] for line in _family_lines(g, label_width, kernels_width, under)]
@@ -60,7 +63,8 @@ def render_lowering(document: dict[str, Any], device: DeviceFacts | None = None)
         if "launches" in row:
             lines.append("    launches:")
             lines += table([_launch_cells(i, launch) for i, launch in enumerate(row["launches"], 1)], 6, right=(0,))
-    for key, text in _lowering_run_lines(doc):
+    run_lines = _lowering_run_lines(doc) + (_estimate_lines(estimate) if estimate is not None else [])
+    for key, text in run_lines:
         lines.append(f"  {key:<{name_width}}  {text}")
     return "\n".join(lines) + "\n"
 
@@ -82,6 +86,49 @@ def _lowering_row(row: dict[str, Any]) -> str:
     if details:
         text += ": " + ", ".join(details)
     return text + (", captured" if row["captured"] else "")
+
+
+def _ms(milliseconds: float) -> str:
+    """`152 ms`, `38.2 ms`, `0.0123 ms`: three significant digits, whole milliseconds from 100 on."""
+    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.3g} ms"
+
+
+def _decimal_bytes(nbytes: int) -> str:
+    """`390.1 GB`, `12.3 MB`, `4.6 kB`: device-memory traffic in decimal units, as bandwidths are given."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _modelled_row(row: dict[str, Any]) -> str:
+    """`; modelled 38.2 ms a call, 1 a step` (`--gpu`): a row's modelled time, and how often a step calls it."""
+    calls = f"{row['calls']} a step" if row["calls"] else "not in a step"
+    return f"; modelled {_ms(row['ms'])} a call, {calls}"
+
+
+def _estimate_lines(estimate: dict[str, Any]) -> list[tuple[str, str]]:
+    """The step estimate's lines (`--gpu`): the step, its shares, and the GPU's figures with their source."""
+    gpu = GPUS[estimate["gpu"]]
+    step = (f"{_ms(estimate['step_ms'])} a step on {estimate['gpu']}, stacking {estimate['stacking']}: "
+            f"{estimate['launches']} launches, {_decimal_bytes(estimate['bytes'])} of device memory")
+    if estimate["tokens_per_second"] is not None:
+        step += f", {estimate['tokens_per_second']:,.0f} tokens/s"
+    if estimate["mfu"] is not None:
+        step += f", MFU {estimate['mfu']:.1%} ({estimate['mfu_dtype']} GEMM FLOPs over the dense peak)"
+    shares = estimate["shares"]
+    spent = [f"GEMMs {shares['gemm']:.0%}", f"memory-bound kernels {shares['memory_bound']:.0%}"]
+    if shares["compute_bound"] >= 0.005:
+        spent.append(f"compute-bound kernels {shares['compute_bound']:.0%}")
+    spent.append(f"launches {shares['launch']:.0%}")
+    figures = (f"{gpu.name}: {gpu.bandwidth / 1e12:.2f} TB/s, bf16 {gpu.bf16_peak / 1e12:.0f} TFLOP/s dense "
+               f"({gpu.gemm_fraction:.0%} of it in GEMMs), f32 {gpu.f32_peak / 1e12:.1f} TFLOP/s; launches "
+               f"{gpu.launch_captured * 1e6:.1f} µs captured, {gpu.launch_uncaptured * 1e6:.1f} µs not")
+    lines = [("estimate", step), ("", "spent in " + ", ".join(spent))]
+    if estimate["unmodelled"]:
+        lines.append(("", f"{', '.join(estimate['unmodelled'])} kernels counted by their bytes, not their FLOPs "
+                          "(no model of their arithmetic)"))
+    return [*lines, ("gpu", figures), ("", f"from the {gpu.source}")]
 
 
 def _family_kernels(group: dict[str, Any]) -> str:

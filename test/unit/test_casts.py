@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from math import erf, pi, sqrt
+
 import numpy as np
 import pytest
-from _graph_helpers import make_module
+from _graph_helpers import make_func, make_module
 from sexpgpu.backends.interpreter import compile_graph
 from sexpgpu.dialects import exp, graph  # noqa: F401  (registers the ops)
 from sexpgpu.dialects.core import Builder, Operation, Region, TensorType, Value
@@ -160,3 +162,36 @@ def test_bf16_accumulates_gradients_in_f32() -> None:
     assert [v.type.dtype for v in add.operands] == ["f32", "f32"] and add.result.type.dtype == "f32"
     assert add.operands[1].op.name == "graph.cast"
     assert add.operands[1].op.operands[0].type.dtype == "bf16"
+
+
+def gelu_train(count: int) -> Operation:
+    """loss = Σ gelu(x) with the prelude's erf GELU, x·½(1 + erf(x·(1/√2))): its gradient is GELU's derivative."""
+    def body(g):
+        x = g.inputs["x"]
+        inner = g.erf(g.mul(x, g.const(0.7071067811865476, (count,))))
+        y = g.mul(g.mul(x, g.const(0.5, (count,))), g.add(g.const(1.0, (count,)), inner))
+        return {"loss": g.sum(y, axes=[0], keep=False)}
+
+    return make_func({"x": ((count,), "f32", "param")}, body, name="train", kind="train")
+
+
+def test_bf16_gelu_gradient_keeps_its_constants_exact() -> None:
+    """Under bf16 the GELU gradient is GELU's derivative to bf16's rounding, with no systematic bias: 1/√2
+    and 2/√π stay f32 (bf16 holds them as 0.70703125 and 1.125, 0.3% low in the φ term)."""
+    count = 4096
+    func = gelu_train(count)
+    run_casts(make_module(func), "autodiff,insert-casts{policy=bf16},canonicalize,cse,dce")
+    constants = {op.attributes["value"]: op.result.type.dtype for op in ops_named(func, "graph.const")}
+    assert constants[0.7071067811865476] == "f32" and constants[2 / np.sqrt(np.pi)] == "f32"
+    assert 0.70703125 not in constants and 1.125 not in constants
+    x = np.linspace(-3.0, 3.0, count).astype(np.float32)
+    grad = compile_graph(func)({"x": x}).outputs["grad/x"].astype(np.float64)
+    # GELU'(x) = Φ(x) + x·φ(x), in float64.
+    xs = x.astype(np.float64)
+    cdf = np.array([0.5 * (1 + erf(v / sqrt(2))) for v in xs])
+    phi_term = xs * np.exp(-xs * xs / 2) / sqrt(2 * pi)
+    np.testing.assert_allclose(grad, cdf + phi_term, atol=2e-2)
+    # Each bf16 op rounds by up to 2^-9 relative, either way; 1.125 for 2/√π scaled the whole x·φ(x) term
+    # by 0.997. The least-squares scale of what the gradient adds to Φ(x) is 1 to bf16's noise.
+    scale = np.sum((grad - cdf) * phi_term) / np.sum(phi_term * phi_term)
+    assert abs(scale - 1) < 1e-3, f"the GELU gradient scales x·φ(x) by {scale:.5f}"

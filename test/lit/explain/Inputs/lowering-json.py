@@ -22,3 +22,8 @@ memory, stacking = device["memory"], device["stacking"]
 print(f"memory persistent {memory['persistent_bytes']} total {memory['total_bytes']} free {memory['free_bytes']}")
 print(f"stacking degrees {stacking['degrees']} chosen {stacking['chosen']}")
 print(f"compiled {device['compiled']['compiler']} spills {device['compiled']['spills']}")
+estimate = device.get("estimate")
+if estimate is not None:
+    print(f"estimate {estimate['gpu']} stacking {estimate['stacking']} launches {estimate['launches']} "
+          f"rows {sorted(name for name, row in estimate['rows'].items() if row['calls'])} "
+          f"costs {any('launch_costs' in row for row in device['rows'])}")
