@@ -41,15 +41,20 @@ SEQS = (1, 17, 64, 200)
 #: Operands that share one buffer in each layout (the packed projection and its gradient).
 SHARED_BUFFERS = {"packed": (("q", "k", "v"), ("dq", "dk", "dv")), "heads": ()}
 
-SPECS = [(d, causal, dtype, "heads") for d in (32, 64, 128) for causal in (True, False) for dtype in ("f32", "bf16")]
-SPECS += [(64, causal, dtype, "packed") for causal in (True, False) for dtype in ("f32", "bf16")]
-SPECS += [(32, True, "bf16", "packed"), (128, False, "f32", "packed")]
+#: (head_dim, causal, dtype, layout, tensor_cores): bf16 takes the tensor cores where they fit unless told not to.
+SPECS = [(d, causal, dtype, "heads", None) for d in (32, 64, 128) for causal in (True, False)
+         for dtype in ("f32", "bf16")]
+SPECS += [(64, causal, dtype, "packed", None) for causal in (True, False) for dtype in ("f32", "bf16")]
+SPECS += [(32, True, "bf16", "packed", None), (128, False, "f32", "packed", None)]
+SPECS += [(64, causal, "bf16", "packed", False) for causal in (True, False)] + [(40, True, "bf16", "heads", None)]
 
 
-def programs(head_dim: int, causal: bool, dtype: str, layout: str) -> tuple[KernelProgram, KernelProgram]:
+def programs(head_dim: int, causal: bool, dtype: str, layout: str,
+             tensor_cores: bool | None = None) -> tuple[KernelProgram, KernelProgram]:
     chosen = {"heads": HEADS, "packed": PACKED}[layout]
     scale = 1.0 / np.sqrt(head_dim)
-    return (attention_forward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen),
+    return (attention_forward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen,
+                              tensor_cores=tensor_cores),
             attention_backward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen))
 
 
@@ -164,11 +169,12 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, magnitude: np.nda
                                     f"{tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}")
 
 
-def attention_case(device, module, head_dim: int, causal: bool, dtype: str, layout_name: str, seq: int,
-                   *, both_schedules: bool = False) -> tuple[dict[str, np.ndarray], ...]:
+def attention_case(device, module, head_dim: int, causal: bool, dtype: str, layout_name: str,
+                   tensor_cores: bool | None, seq: int, *,
+                   both_schedules: bool = False) -> tuple[dict[str, np.ndarray], ...]:
     """Forward then backward on random inputs: what the kernels gave, the float64 reference and its terms'
     magnitudes, by tensor."""
-    forward, backward = programs(head_dim, causal, dtype, layout_name)
+    forward, backward = programs(head_dim, causal, dtype, layout_name, tensor_cores)
     layout = {"heads": HEADS, "packed": PACKED}[layout_name]
     storage = NUMPY_DTYPES[dtype]
     shape = (BATCH, HEADS_COUNT, seq, head_dim)
@@ -199,19 +205,20 @@ def attention_case(device, module, head_dim: int, causal: bool, dtype: str, layo
 
 
 @pytest.mark.parametrize("seq", SEQS)
-@pytest.mark.parametrize("spec", SPECS, ids=["d{}-{}-{}-{}".format(d, "causal" if c else "full", t, lay)
-                                             for d, c, t, lay in SPECS])
+@pytest.mark.parametrize("spec", SPECS, ids=["d{}-{}-{}-{}{}".format(d, "causal" if c else "full", t, lay,
+                                                                      "-fma" if cores is False else "")
+                                             for d, c, t, lay, cores in SPECS])
 def test_attention_against_reference(spec, seq, device, module):
-    head_dim, causal, dtype, layout = spec
-    got, want, magnitudes = attention_case(device, module, head_dim, causal, dtype, layout, seq)
+    dtype = spec[2]
+    got, want, magnitudes = attention_case(device, module, *spec, seq)
     for name in ("o", "lse", "dq", "dk", "dv"):
         assert_close(name, got[name], want[name], magnitudes[name], "f32" if name == "lse" else dtype)
 
 
 def test_kernels_are_deterministic_and_race_free(device, module):
     """Two runs give the same bits, under both of cuda-sim's schedules (which must agree: no race)."""
-    first, *_ = attention_case(device, module, 64, True, "bf16", "packed", 200, both_schedules=True)
-    second, *_ = attention_case(device, module, 64, True, "bf16", "packed", 200, both_schedules=True)
+    first, *_ = attention_case(device, module, 64, True, "bf16", "packed", None, 200, both_schedules=True)
+    second, *_ = attention_case(device, module, 64, True, "bf16", "packed", None, 200, both_schedules=True)
     for name in first:
         assert first[name].tobytes() == second[name].tobytes(), name
 

@@ -215,16 +215,19 @@ def _prologue(head_dim: int, tiles: Tiles) -> str:
         "    const long long stats = ((long long)b * heads + h) * seq;  // lse and delta are [B, H, T]\n")
 
 
-def _load_tile(tile: str, rows: int, pointer: str, placement: Placement, first: str, vec: int) -> str:
-    """C that loads `rows` token rows from `first` into the f32 shared tile (zeros past the sequence)."""
+def _load_tile(tile: str, rows: int, pointer: str, placement: Placement, first: str, vec: int,
+               aligned: bool = False) -> str:
+    """C that loads `rows` token rows from `first` into the shared tile (zeros past the sequence): an f32 tile
+    element by element, or an `aligned` one (rows of the storage type on 16-byte boundaries) a vector at a time."""
+    store = (f"        sx_st_vec(&{tile}[r][col], x);\n" if aligned else
+             "        #pragma unroll\n"
+             f"        for (int j = 0; j < {vec}; ++j) {tile}[r][col + j] = x[j];\n")
     return (
         f"    for (int e = threadIdx.x; e < {rows} * (D / {vec}); e += {THREADS}) {{\n"
         f"        const int r = e / (D / {vec}), col = e % (D / {vec}) * {vec};\n"
         f"        float x[{vec}] = {{}};\n"
         f"        if ({first} + r < seq) sx_ld_vec(x, {placement.c_address(pointer, f'{first} + r')} + col);\n"
-        "        #pragma unroll\n"
-        f"        for (int j = 0; j < {vec}; ++j) {tile}[r][col + j] = x[j];\n"
-        "    }\n")
+        + store + "    }\n")
 
 
 def _load_stat(tile: str, rows: int, pointer: str, first: str) -> str:
@@ -254,12 +257,16 @@ def _visible(query: str, key: str, causal: bool) -> str:
     return f"{query} < seq && {key} < seq" + (f" && {key} <= {query}" if causal else "")
 
 
+def _forward_params(dtype: str) -> tuple[KernelParam, ...]:
+    return (pointer_param("q", dtype, "input", restrict=False), pointer_param("k", dtype, "input", restrict=False),
+            pointer_param("v", dtype, "input", restrict=False), pointer_param("o", dtype, "output"),
+            pointer_param("lse", "f32", "output"), *_sizes())
+
+
 def _forward_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layout: AttentionLayout) -> KernelSource:
     tiles = _tiles(head_dim, "forward")
     vec = vector_width(head_dim, [dtype])
-    params = (pointer_param("q", dtype, "input", restrict=False), pointer_param("k", dtype, "input", restrict=False),
-              pointer_param("v", dtype, "input", restrict=False), pointer_param("o", dtype, "output"),
-              pointer_param("lse", "f32", "output"), *_sizes())
+    params = _forward_params(dtype)
     end = "min(seq, q0 + ROWS)" if causal else "seq"
     template = (
         kernel_head(THREADS, params) + _prologue(head_dim, tiles) +
@@ -314,6 +321,131 @@ def _forward_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layou
         "}\n")
     name, code = finish(_stem("attention_forward", head_dim, causal, scale, dtype, layout), template)
     return KernelSource(name, "attention_forward", code, params, _shape(tiles.rows), PACKED_ALIGNMENT)
+
+
+#: The tensor-core forward: query rows a warp takes (wmma's tile side), warps a block, key rows per step.
+WMMA_SIDE = 16
+WMMA_WARPS = THREADS // 32
+WMMA_STEP = 32
+
+
+def _forward_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: AttentionLayout) -> KernelSource:
+    """The bf16 forward with both block products on the tensor cores (nvcuda::wmma, f32 accumulation).
+
+    Each warp owns 16 query rows, their Q fragments loaded once; per step of
+    32 keys it makes the 16 x 32 scores (Q K^T, K read as a col_major
+    matrix_b), stores them to its shared score tile, and two lanes per row
+    update the running maximum and sum and write P in bf16; then P V is made
+    a 16-column slice of O at a time and added, through the score tile, into
+    the f32 O the lanes hold in registers, each row rescaled by its own
+    factor (a wmma accumulator's element-to-row mapping is unspecified, so
+    the rescaling cannot be done on the fragment).
+    """
+    dtype = "bf16"
+    vec = vector_width(head_dim, [dtype])
+    params = _forward_params(dtype)
+    end = "min(seq, q0 + ROWS)" if causal else "seq"
+    template = (
+        "#include <mma.h>\n" + kernel_head(THREADS, params) +
+        f"    constexpr int D = {head_dim};\n"
+        f"    constexpr int SIDE = {WMMA_SIDE}, WARPS = {WMMA_WARPS}, STEP = {WMMA_STEP}, ROWS = SIDE * WARPS;\n"
+        "    // Padded rows: wmma's ldm is a multiple of 16 bytes, and every fragment starts 32-byte aligned.\n"
+        "    constexpr int DK = D + 8, SP = STEP + 4, PP = STEP + 8;\n"
+        "    static_assert(ROWS == 2 * STEP, \"the query rows are staged where the key and value rows go\");\n"
+        "    __shared__ __align__(32) __nv_bfloat16 kv_tile[2 * STEP][DK];  // keys, then values\n"
+        "    __shared__ __align__(32) float s_tile[WARPS][SIDE][SP];\n"
+        "    __shared__ __align__(32) __nv_bfloat16 p_tile[WARPS][SIDE][PP];\n"
+        "    const long long L_seq = seq, L_heads = heads, L_head_dim = D;\n"
+        "    const int b = blockIdx.z, h = blockIdx.y;\n"
+        "    const int warp = threadIdx.x / SX_WARP, lane = threadIdx.x % SX_WARP;\n"
+        "    const int row = lane / 2, half = lane % 2;  // a lane takes half of one of its warp's rows\n"
+        "    const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // the longest rows first when causal\n"
+        "    const int query = q0 + warp * SIDE + row;\n"
+        + _load_tile("kv_tile", 2 * WMMA_STEP, "q", layout.q, "q0", vec, aligned=True) +
+        "    __syncthreads();\n"
+        "    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>"
+        " q_frag[D / SIDE];\n"
+        "    #pragma unroll\n"
+        "    for (int t = 0; t < D / SIDE; ++t) nvcuda::wmma::load_matrix_sync(q_frag[t], &kv_tile[warp * SIDE][t * SIDE]"
+        ", DK);\n"
+        "    float m = -SX_INF, l = 0.0f, acc[D / 2] = {};  // columns n * 16 + half * 8 + j of the row\n"
+        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
+        "    __syncthreads();  // every warp is done with the last tiles (or the query rows)\n"
+        + _load_tile("kv_tile", WMMA_STEP, "k", layout.k, "k0", vec, aligned=True)
+        + _load_tile("(kv_tile + STEP)", WMMA_STEP, "v", layout.v, "k0", vec, aligned=True) +
+        "    __syncthreads();\n"
+        "    #pragma unroll\n"
+        "    for (int n = 0; n < STEP / SIDE; ++n) {\n"
+        "        nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> s_frag;\n"
+        "        nvcuda::wmma::fill_fragment(s_frag, 0.0f);\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < D / SIDE; ++t) {\n"
+        "            nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::col_major>"
+        " k_frag;\n"
+        "            nvcuda::wmma::load_matrix_sync(k_frag, &kv_tile[n * SIDE][t * SIDE], DK);\n"
+        "            nvcuda::wmma::mma_sync(s_frag, q_frag[t], k_frag, s_frag);\n"
+        "        }\n"
+        "        nvcuda::wmma::store_matrix_sync(&s_tile[warp][0][n * SIDE], s_frag, SP, nvcuda::wmma::mem_row_major);\n"
+        "    }\n"
+        "    __syncwarp();  // the warp's scores are in s_tile\n"
+        "    float s[STEP / 2], top = -SX_INF;\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const int key = k0 + half * (STEP / 2) + j;\n"
+        f"        s[j] = {_visible('query', 'key', causal)} ? s_tile[warp][row][half * (STEP / 2) + j] * "
+        f"{float_literal(scale)} : -SX_INF;\n"
+        "        top = fmaxf(top, s[j]);\n"
+        "    }\n"
+        "    top = fmaxf(top, __shfl_xor_sync(SX_FULL_MASK, top, 1));\n"
+        "    const float m_next = fmaxf(m, top);\n"
+        "    const float rescale = m_next == -SX_INF ? 1.0f : expf(m - m_next);\n"
+        "    float added = 0.0f;\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const float p = m_next == -SX_INF ? 0.0f : expf(s[j] - m_next);\n"
+        "        p_tile[warp][row][half * (STEP / 2) + j] = __float2bfloat16_rn(p);\n"
+        "        added += p;\n"
+        "    }\n"
+        "    added += __shfl_xor_sync(SX_FULL_MASK, added, 1);\n"
+        "    l = l * rescale + added;\n"
+        "    m = m_next;\n"
+        "    __syncwarp();  // P is in p_tile, and every lane has read its scores\n"
+        "    #pragma unroll\n"
+        "    for (int n = 0; n < D / SIDE; ++n) {\n"
+        "        nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> o_frag;\n"
+        "        nvcuda::wmma::fill_fragment(o_frag, 0.0f);\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < STEP / SIDE; ++t) {\n"
+        "            nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>"
+        " p_frag;\n"
+        "            nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>"
+        " v_frag;\n"
+        "            nvcuda::wmma::load_matrix_sync(p_frag, &p_tile[warp][0][t * SIDE], PP);\n"
+        "            nvcuda::wmma::load_matrix_sync(v_frag, &kv_tile[STEP + t * SIDE][n * SIDE], DK);\n"
+        "            nvcuda::wmma::mma_sync(o_frag, p_frag, v_frag, o_frag);\n"
+        "        }\n"
+        "        nvcuda::wmma::store_matrix_sync(&s_tile[warp][0][0], o_frag, SP, nvcuda::wmma::mem_row_major);\n"
+        "        __syncwarp();\n"
+        "        #pragma unroll\n"
+        "        for (int j = 0; j < 8; ++j) acc[n * 8 + j] = acc[n * 8 + j] * rescale + s_tile[warp][row][half * 8 + j];\n"
+        "        __syncwarp();  // read before the next slice is stored\n"
+        "    }\n"
+        "    }\n"
+        "    if (query < seq) {\n"
+        f"        auto* out = {layout.o.c_address('o', 'query')};\n"
+        "        const float inverse = 1.0f / l;\n"
+        "        #pragma unroll\n"
+        "        for (int n = 0; n < D / SIDE; ++n) {\n"
+        "            float x[8];\n"
+        "            #pragma unroll\n"
+        "            for (int j = 0; j < 8; ++j) x[j] = acc[n * 8 + j] * inverse;\n"
+        "            sx_st_vec(out + n * SIDE + half * 8, x);\n"
+        "        }\n"
+        "        if (half == 0) lse[((long long)b * heads + h) * seq + query] = m + logf(l);\n"
+        "    }\n"
+        "}\n")
+    name, code = finish(_stem("attention_forward_wmma", head_dim, causal, scale, dtype, layout), template)
+    return KernelSource(name, "attention_forward", code, params, _shape(WMMA_SIDE * WMMA_WARPS), PACKED_ALIGNMENT)
 
 
 def _delta_kernel(head_dim: int, dtype: str, layout: AttentionLayout) -> KernelSource:
@@ -456,12 +588,29 @@ def _stem(family: str, head_dim: int, causal: bool, scale: float, dtype: str, la
     return f"{family}_{_LETTERS[dtype]}_d{head_dim}_{'causal' if causal else 'full'}_scale{scale:g}_{layout.name}"
 
 
+def tensor_cores_fit(head_dim: int, dtype: str) -> bool:
+    """Whether the tensor-core (wmma) kernels take this head dimension and storage: bf16, multiples of 16."""
+    return dtype == "bf16" and head_dim % WMMA_SIDE == 0
+
+
 def attention_forward(head_dim: int, *, causal: bool, scale: float, dtype: str = "f32",
-                      layout: AttentionLayout | None = None) -> KernelProgram:
+                      layout: AttentionLayout | None = None, tensor_cores: bool | None = None) -> KernelProgram:
     """O = softmax(scale * Q K^T, masked above the diagonal when `causal`) V and its rows' log-sum-exp (see the
-    module docstring for the operands and how they bind)."""
+    module docstring for the operands and how they bind).
+
+    `tensor_cores` chooses the wmma kernel (True) or the plain FMA one (False);
+    None takes the tensor cores where they fit (`tensor_cores_fit`).
+    """
     _check("attention_forward", head_dim, dtype, scale)
-    kernel = _forward_kernel(head_dim, causal, scale, dtype, layout or HEADS)
+    layout = layout or HEADS
+    fits = tensor_cores_fit(head_dim, dtype)
+    if tensor_cores and not fits:
+        raise ValueError(f"attention_forward: the tensor-core kernel takes bf16 storage and head dimensions that "
+                         f"are multiples of {WMMA_SIDE}, not {dtype} and {head_dim}")
+    if fits and tensor_cores is not False:
+        kernel = _forward_wmma_kernel(head_dim, causal, scale, layout)
+    else:
+        kernel = _forward_kernel(head_dim, causal, scale, dtype, layout)
     return KernelProgram("attention_forward", kernel.params, (Step(kernel, tuple(p.name for p in kernel.params)),))
 
 
