@@ -8,8 +8,8 @@ executes (block-granular causal skipping: the diagonal block is computed whole, 
 ones (FlashAttention-2's convention: forward 4*B*H*T^2*d, halved when causal; backward 2.5 times that; the
 backward here executes 3.5 times, as dK/dV and dQ each recompute S and dP instead of adding dQ atomically),
 its arithmetic intensity and its modelled time on an H200: max(bytes / 4.8 TB/s, FLOPs / peak), the peak
-being the tensor cores' 989 TFLOP/s (dense bf16) for a product made by wmma and the CUDA cores' 67 TFLOP/s
-(f32 FMA) for one made with plain FMA. Then the step's totals (12 layers x 8 microbatches), and for scale
+being the tensor cores' 989 TFLOP/s (dense bf16) for the products made by wmma (every bf16 kernel but
+`delta` at d=64) and the CUDA cores' 67 TFLOP/s (f32 FMA) for the rest. Then the step's totals (12 layers x 8 microbatches), and for scale
 the bytes an unfused path cannot avoid: the T x T scores, probabilities, their gradient and dS each
 written once and read once in bf16 (the materialised lowering measured in issue 17 moves about 18 such
 passes, some in f32).
@@ -35,6 +35,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from sexpgpu.backends.cuda.render.attention import (
+    DKDV_ONE_PASS_HEAD_DIM,
     HEADS,
     PACKED,
     WMMA_SIDE,
@@ -62,21 +63,23 @@ def launches(program_forward: KernelProgram, program_backward: KernelProgram) ->
     b, h, t, d = BATCH, HEADS_COUNT, SEQ, HEAD_DIM
     tensor = b * t * h * d * BF16
     stat = b * h * t * F32
-    forward_rows = WMMA_SIDE * WMMA_WARPS if tensor_cores_fit(d, "bf16") else 32
+    cores = tensor_cores_fit(d, "bf16")
+    block = WMMA_SIDE * WMMA_WARPS if cores else 32
+    pairs = causal_pairs(t, block) * b * h
     useful_forward = 4 * b * h * t * t * d / 2
-    pairs_forward = causal_pairs(t, forward_rows) * b * h
-    pairs_backward = causal_pairs(t, 32) * b * h
-    peak_forward = TENSOR_PEAK if tensor_cores_fit(d, "bf16") else FMA_PEAK
+    peak = TENSOR_PEAK if cores else FMA_PEAK
+    # dkdv makes S^T and dP^T once per pass over the queries, then dV and dK: 2 FLOPs a pair and feature each.
+    passes = 1 if d <= DKDV_ONE_PASS_HEAD_DIM or not cores else 2
     return [
         {"launch": "forward", "kernel": program_forward.steps[0].kernel.name, "bytes": 4 * tensor + stat,
-         "flops": 4 * pairs_forward * d, "useful": useful_forward, "peak": peak_forward},
+         "flops": 4 * pairs * d, "useful": useful_forward, "peak": peak},
         {"launch": "backward delta", "kernel": program_backward.steps[0].kernel.name, "bytes": 2 * tensor + stat,
          "flops": 2 * b * h * t * d, "useful": 0.0, "peak": FMA_PEAK},
         {"launch": "backward dk dv", "kernel": program_backward.steps[1].kernel.name,
-         "bytes": 6 * tensor + 2 * stat, "flops": 8 * pairs_backward * d, "useful": 1.5 * useful_forward,
-         "peak": FMA_PEAK},
+         "bytes": 6 * tensor + 2 * stat, "flops": 2 * (2 * passes + 2) * pairs * d, "useful": 1.5 * useful_forward,
+         "peak": peak},
         {"launch": "backward dq", "kernel": program_backward.steps[2].kernel.name, "bytes": 5 * tensor + 2 * stat,
-         "flops": 6 * pairs_backward * d, "useful": 1.0 * useful_forward, "peak": FMA_PEAK},
+         "flops": 6 * pairs * d, "useful": 1.0 * useful_forward, "peak": peak},
     ]
 
 

@@ -32,7 +32,7 @@ from sexpgpu.backends.cuda.render.attention import (
 )
 from sexpgpu.backends.cuda.render.kernel_source import KernelProgram
 from sexpgpu.backends.cuda.render.prelude import translation_unit
-from sexpgpu.backends.cuda.sim import SimDevice
+from sexpgpu.backends.cuda.sim import KernelFault, SimDevice
 
 NUMPY_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}
@@ -55,7 +55,8 @@ def programs(head_dim: int, causal: bool, dtype: str, layout: str,
     scale = 1.0 / np.sqrt(head_dim)
     return (attention_forward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen,
                               tensor_cores=tensor_cores),
-            attention_backward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen))
+            attention_backward(head_dim, causal=causal, scale=scale, dtype=dtype, layout=chosen,
+                               tensor_cores=tensor_cores))
 
 
 ALL_PROGRAMS = [p for spec in SPECS for p in programs(*spec)]
@@ -246,6 +247,57 @@ def test_what_the_kernels_do_not_take_is_refused(head_dim, dtype, scale, message
     for template in (attention_forward, attention_backward):
         with pytest.raises(ValueError, match=message):
             template(head_dim, causal=True, scale=scale, dtype=dtype)
+
+
+WMMA_PRODUCT = r"""
+#include <mma.h>
+extern "C" __global__ void product(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* c, float* d,
+                                   int b_col_major, int lanes) {
+    using namespace nvcuda;
+    if ((int)threadIdx.x >= lanes) return;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    wmma::load_matrix_sync(fa, a, 16);
+    if (b_col_major) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, b, 24);
+        wmma::mma_sync(acc, fa, fb, acc);
+    } else {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, b, 24);
+        wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> twice;
+    wmma::fill_fragment(twice, 1.0f);
+    for (int i = 0; i < acc.num_elements; ++i) twice.x[i] = acc.x[i] + c[0];
+    wmma::store_matrix_sync(d, twice, 20, wmma::mem_col_major);
+}
+"""
+
+
+@pytest.mark.parametrize("b_col_major", [False, True])
+def test_cuda_sim_wmma_is_the_warps_product_in_order_of_k(b_col_major):
+    """cuda-sim's wmma: A (row_major, ldm 16) times B (row- or col-major, ldm 24), f32 sums in order of k from the
+    accumulator, bit for bit; an element-wise change of every fragment element; a col-major store with ldm 20;
+    a warp with a lane that has exited is refused."""
+    device = SimDevice()
+    module = device.compile(WMMA_PRODUCT, "wmma_product.cu")
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    b_stored = rng.standard_normal((16, 24)).astype(ml_dtypes.bfloat16)
+    b = b_stored[:, :16].T if b_col_major else b_stored[:, :16]  # B [k, n]: col-major reads b_stored[n, k]
+    want = np.zeros((16, 16), np.float32)
+    for k in range(16):  # products of bf16 are exact in f32; each sum is rounded
+        want = want + a[:, k:k + 1].astype(np.float32) * b[k:k + 1, :].astype(np.float32)
+    want = want + np.float32(0.5)
+    held = [device.upload(a), device.upload(b_stored), device.upload(np.array([0.5], np.float32)),
+            device.alloc(16 * 20 * 4)]
+    device.compare_schedules(module.kernel("product"), 1, 32, 0, (*held, int(b_col_major), 32))
+    got = device.download(held[3], np.float32, (16, 20))[:, :16].T
+    assert got.tobytes() == want.tobytes()
+    with pytest.raises(KernelFault, match="which needs all 32 lanes of the warp, but lanes 0x80000000 of it"):
+        device.launch(module.kernel("product"), 1, 32, 0, (*held, int(b_col_major), 31))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -53,7 +53,7 @@ with FlashAttention-2 and llm.c's cuDNN path.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from attrs import frozen
 
@@ -195,9 +195,10 @@ def _sizes() -> tuple[KernelParam, ...]:
     return size_param("batch"), size_param("heads"), size_param("seq")
 
 
-def _shape(tiles_rows: int) -> Callable[[Mapping[str, int]], LaunchShape]:
+def _shape(tiles_rows: int, shared_bytes: int = 0) -> Callable[[Mapping[str, int]], LaunchShape]:
     def shape(sizes: Mapping[str, int]) -> LaunchShape:
-        return LaunchShape((-(-sizes["seq"] // tiles_rows), sizes["heads"], sizes["batch"]), (THREADS, 1, 1))
+        return LaunchShape((-(-sizes["seq"] // tiles_rows), sizes["heads"], sizes["batch"]), (THREADS, 1, 1),
+                           shared_bytes)
     return shape
 
 
@@ -448,6 +449,228 @@ def _forward_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: Atte
     return KernelSource(name, "attention_forward", code, params, _shape(WMMA_SIDE * WMMA_WARPS), PACKED_ALIGNMENT)
 
 
+_A_FRAGMENT = "nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>"
+_B_FRAGMENT = "nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>"
+_BT_FRAGMENT = "nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::col_major>"
+_ACCUMULATOR = "nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>"
+#: The dynamic shared memory of the tensor-core backward kernels, carved into tiles.
+_SHARED = "sx_attention_shared"
+
+
+def _wmma_constants(head_dim: int) -> str:
+    return (f"    constexpr int D = {head_dim};\n"
+            f"    constexpr int SIDE = {WMMA_SIDE}, WARPS = {WMMA_WARPS}, STEP = {WMMA_STEP}, ROWS = SIDE * WARPS;\n"
+            "    // Padded rows: wmma's ldm is a multiple of 16 bytes, and every fragment starts 32-byte aligned.\n"
+            "    constexpr int DK = D + 8, SP = STEP + 4, PP = STEP + 8;\n"
+            "    const long long L_seq = seq, L_heads = heads, L_head_dim = D;\n"
+            "    const int b = blockIdx.z, h = blockIdx.y;\n"
+            "    const int warp = threadIdx.x / SX_WARP, lane = threadIdx.x % SX_WARP;\n"
+            "    const int row = lane / 2, half = lane % 2;  // a lane takes half of one of its warp's 16 rows\n"
+            "    const long long stats = ((long long)b * heads + h) * seq;  // lse and delta are [B, H, T]\n")
+
+
+def _carve(head_dim: int, tiles: Sequence[tuple[str, str, int]]) -> tuple[str, int]:
+    """C declaring each (name, kind, rows) tile in the dynamic shared memory, and the bytes they take.
+
+    Kinds: "rows" (bf16 [rows][DK]), "scores" (f32 [WARPS][16][SP]), "probabilities" (bf16 [WARPS][16][PP])
+    and "stats" (f32 [rows]); each starts on a 128-byte boundary.
+    """
+    dk, sp, pp = head_dim + 8, WMMA_STEP + 4, WMMA_STEP + 8
+    kinds = {"rows": ("__nv_bfloat16 (*)[DK]", lambda rows: rows * dk * 2),
+             "scores": ("float (*)[SIDE][SP]", lambda rows: WMMA_WARPS * WMMA_SIDE * sp * 4),
+             "probabilities": ("__nv_bfloat16 (*)[SIDE][PP]", lambda rows: WMMA_WARPS * WMMA_SIDE * pp * 2),
+             "stats": ("float*", lambda rows: rows * 4)}
+    code = f"    extern __shared__ __align__(128) unsigned char {_SHARED}[];\n"
+    offset = 0
+    for name, kind, rows in tiles:
+        ctype, size = kinds[kind]
+        code += f"    const auto {name} = reinterpret_cast<{ctype}>({_SHARED} + {offset});\n"
+        offset += -(-size(rows) // 128) * 128
+    return code, offset
+
+
+def _warp_product_t(a: str, b: str, scores: str) -> str:
+    """C: the warp's f32 `scores` [16][SP] = its 16 rows of `a` times the STEP rows of `b` transposed (both
+    bf16 [.][DK] tiles, over D): b read as a col_major matrix_b."""
+    return (
+        "    #pragma unroll\n"
+        "    for (int n = 0; n < STEP / SIDE; ++n) {\n"
+        f"        {_ACCUMULATOR} s_frag;\n"
+        "        nvcuda::wmma::fill_fragment(s_frag, 0.0f);\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < D / SIDE; ++t) {\n"
+        f"            {_A_FRAGMENT} a_frag;\n"
+        f"            {_BT_FRAGMENT} b_frag;\n"
+        f"            nvcuda::wmma::load_matrix_sync(a_frag, &{a}[warp * SIDE][t * SIDE], DK);\n"
+        f"            nvcuda::wmma::load_matrix_sync(b_frag, &{b}[n * SIDE][t * SIDE], DK);\n"
+        "            nvcuda::wmma::mma_sync(s_frag, a_frag, b_frag, s_frag);\n"
+        "        }\n"
+        f"        nvcuda::wmma::store_matrix_sync(&{scores}[warp][0][n * SIDE], s_frag, SP, "
+        "nvcuda::wmma::mem_row_major);\n"
+        "    }\n"
+        "    __syncwarp();  // the warp's products are in shared memory\n")
+
+
+def _warp_accumulate(fragments: str, a: str, b: str) -> str:
+    """C: fragments[n] += the warp's bf16 [16][PP] tile `a` (STEP columns) times the STEP rows of `b`
+    (bf16 [.][DK]), for each 16-column slice n of the SLICES from column FIRST."""
+    return (
+        "    #pragma unroll\n"
+        "    for (int n = 0; n < SLICES; ++n) {\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < STEP / SIDE; ++t) {\n"
+        f"            {_A_FRAGMENT} a_frag;\n"
+        f"            {_B_FRAGMENT} b_frag;\n"
+        f"            nvcuda::wmma::load_matrix_sync(a_frag, &{a}[warp][0][t * SIDE], PP);\n"
+        f"            nvcuda::wmma::load_matrix_sync(b_frag, &{b}[t * SIDE][FIRST + n * SIDE], DK);\n"
+        f"            nvcuda::wmma::mma_sync({fragments}[n], a_frag, b_frag, {fragments}[n]);\n"
+        "        }\n"
+        "    }\n")
+
+
+def _store_fragments(fragments: str, scores: str, pointer: str, placement: Placement, token: str,
+                     factor: str) -> str:
+    """C: the warp's rows of `fragments` (SLICES accumulators, from column FIRST) times `factor` stored to
+    token rows `token` (of the lane's row), through the warp's `scores` tile (an accumulator's layout is
+    unspecified)."""
+    return (
+        "    {\n"
+        f"    auto* const out = {placement.c_address(pointer, token)};\n"
+        "    #pragma unroll\n"
+        "    for (int n = 0; n < SLICES; ++n) {\n"
+        f"        nvcuda::wmma::store_matrix_sync(&{scores}[warp][0][0], {fragments}[n], SP, "
+        "nvcuda::wmma::mem_row_major);\n"
+        "        __syncwarp();\n"
+        "        float x[8];\n"
+        "        #pragma unroll\n"
+        f"        for (int j = 0; j < 8; ++j) x[j] = {scores}[warp][row][half * 8 + j] * {factor};\n"
+        f"        if ({token} < seq) sx_st_vec(out + FIRST + n * SIDE + half * 8, x);\n"
+        "        __syncwarp();  // read before the next slice is stored\n"
+        "    }\n"
+        "    }\n")
+
+
+def _zeroed(fragments: str) -> str:
+    return (f"    {_ACCUMULATOR} {fragments}[SLICES];\n"
+            "    #pragma unroll\n"
+            f"    for (int n = 0; n < SLICES; ++n) nvcuda::wmma::fill_fragment({fragments}[n], 0.0f);\n")
+
+
+#: Head dimensions above this make dK and dV in two passes over the queries, half of the columns each: the
+#: accumulators of all of them (D floats a lane) would not fit in registers with the rest.
+DKDV_ONE_PASS_HEAD_DIM = 64
+
+
+def _dkdv_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: AttentionLayout) -> KernelSource:
+    """The bf16 dK/dV kernel on the tensor cores: a warp per 16 key rows, a block per 64; per step of 32
+    queries S^T = K Q^T and dP^T = V dO^T into the warp's score tile, P^T and dS^T in bf16, then
+    dV += P^T dO and dK += dS^T Q into accumulators held for the whole loop (no rescaling is needed)."""
+    dtype = "bf16"
+    vec = vector_width(head_dim, [dtype])
+    params = (*_backward_inputs(dtype), pointer_param("dk", dtype, "output", restrict=False),
+              pointer_param("dv", dtype, "output", restrict=False), *_sizes())
+    rows, step = WMMA_SIDE * WMMA_WARPS, WMMA_STEP
+    carve, shared = _carve(head_dim, [("k_tile", "rows", rows), ("v_tile", "rows", rows), ("q_tile", "rows", step),
+                                      ("do_tile", "rows", step), ("s_tile", "scores", 0),
+                                      ("p_tile", "probabilities", 0), ("ds_tile", "probabilities", 0),
+                                      ("lse_tile", "stats", step), ("delta_tile", "stats", step)])
+    start = "k0 / STEP * STEP" if causal else "0"
+    passes = 1 if head_dim <= DKDV_ONE_PASS_HEAD_DIM else 2
+    template = (
+        "#include <mma.h>\n" + kernel_head(THREADS, params) + _wmma_constants(head_dim) + carve +
+        f"    constexpr int PASSES = {passes}, SLICES = D / SIDE / PASSES;\n"
+        "    const int k0 = blockIdx.x * ROWS;  // the first key blocks see the most queries when causal\n"
+        "    const int key = k0 + warp * SIDE + row;\n"
+        + _load_tile("k_tile", rows, "k", layout.k, "k0", vec, aligned=True)
+        + _load_tile("v_tile", rows, "v", layout.v, "k0", vec, aligned=True) +
+        "    for (int pass = 0; pass < PASSES; ++pass) {\n"
+        "    const int FIRST = pass * (D / PASSES);  // the columns of dK and dV this pass makes\n"
+        + _zeroed("dk_frag") + _zeroed("dv_frag") +
+        f"    for (int q0 = {start}; q0 < seq; q0 += STEP) {{\n"
+        "    __syncthreads();  // every warp is done with the last query tiles\n"
+        + _load_tile("q_tile", step, "q", layout.q, "q0", vec, aligned=True)
+        + _load_tile("do_tile", step, DO_PARAMETER, layout.do, "q0", vec, aligned=True)
+        + _load_stat("lse_tile", step, "lse", "q0") + _load_stat("delta_tile", step, "delta", "q0") +
+        "    __syncthreads();\n"
+        + _warp_product_t("k_tile", "q_tile", "s_tile") +
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const int c = half * (STEP / 2) + j;\n"
+        f"        const float p = {_visible('q0 + c', 'key', causal)} ? "
+        f"expf(s_tile[warp][row][c] * {float_literal(scale)} - lse_tile[c]) : 0.0f;\n"
+        "        p_tile[warp][row][c] = __float2bfloat16_rn(p);\n"
+        "    }\n"
+        "    __syncwarp();  // every lane has read its scores\n"
+        + _warp_product_t("v_tile", "do_tile", "s_tile") +
+        "    // P is read back as rounded for dV: the dK/dV accumulators leave no registers to keep it in f32.\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const int c = half * (STEP / 2) + j;\n"
+        "        ds_tile[warp][row][c] = __float2bfloat16_rn(__bfloat162float(p_tile[warp][row][c]) *\n"
+        "                                                    (s_tile[warp][row][c] - delta_tile[c]));\n"
+        "    }\n"
+        "    __syncwarp();  // P^T and dS^T are in shared memory\n"
+        + _warp_accumulate("dv_frag", "p_tile", "do_tile") + _warp_accumulate("dk_frag", "ds_tile", "q_tile") +
+        "    }\n"
+        + _store_fragments("dk_frag", "s_tile", "dk", layout.dk, "key", float_literal(scale))
+        + _store_fragments("dv_frag", "s_tile", "dv", layout.dv, "key", "1.0f") +
+        "    }\n"
+        "}\n")
+    name, code = finish(_stem("attention_dkdv_wmma", head_dim, causal, scale, dtype, layout), template)
+    return KernelSource(name, "attention_dkdv", code, params, _shape(rows, shared), PACKED_ALIGNMENT)
+
+
+def _dq_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: AttentionLayout) -> KernelSource:
+    """The bf16 dQ kernel on the tensor cores: a warp per 16 query rows, a block per 64; per step of 32 keys
+    S = Q K^T and dP = dO V^T into the warp's score tile, dS in bf16, then dQ += dS K into accumulators
+    held for the whole loop."""
+    dtype = "bf16"
+    vec = vector_width(head_dim, [dtype])
+    params = (*_backward_inputs(dtype), pointer_param("dq", dtype, "output", restrict=False), *_sizes())
+    rows, step = WMMA_SIDE * WMMA_WARPS, WMMA_STEP
+    carve, shared = _carve(head_dim, [("q_tile", "rows", rows), ("do_tile", "rows", rows), ("k_tile", "rows", step),
+                                      ("v_tile", "rows", step), ("s_tile", "scores", 0),
+                                      ("ds_tile", "probabilities", 0)])
+    end = "min(seq, q0 + ROWS)" if causal else "seq"
+    template = (
+        "#include <mma.h>\n" + kernel_head(THREADS, params) + _wmma_constants(head_dim) + carve +
+        "    constexpr int SLICES = D / SIDE, FIRST = 0;\n"
+        "    const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // the longest rows first when causal\n"
+        "    const int query = q0 + warp * SIDE + row;\n"
+        + _load_tile("q_tile", rows, "q", layout.q, "q0", vec, aligned=True)
+        + _load_tile("do_tile", rows, DO_PARAMETER, layout.do, "q0", vec, aligned=True) +
+        "    const float row_lse = query < seq ? lse[stats + query] : 0.0f;\n"
+        "    const float row_delta = query < seq ? delta[stats + query] : 0.0f;\n"
+        + _zeroed("dq_frag") +
+        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
+        "    __syncthreads();  // every warp is done with the last key and value tiles (or the query rows)\n"
+        + _load_tile("k_tile", step, "k", layout.k, "k0", vec, aligned=True)
+        + _load_tile("v_tile", step, "v", layout.v, "k0", vec, aligned=True) +
+        "    __syncthreads();\n"
+        + _warp_product_t("q_tile", "k_tile", "s_tile") +
+        "    float p[STEP / 2];\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const int c = half * (STEP / 2) + j;\n"
+        f"        p[j] = {_visible('query', 'k0 + c', causal)} ? expf(s_tile[warp][row][c] * {float_literal(scale)}"
+        " - row_lse) : 0.0f;\n"
+        "    }\n"
+        "    __syncwarp();  // every lane has read its scores\n"
+        + _warp_product_t("do_tile", "v_tile", "s_tile") +
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / 2; ++j) {\n"
+        "        const int c = half * (STEP / 2) + j;\n"
+        "        ds_tile[warp][row][c] = __float2bfloat16_rn(p[j] * (s_tile[warp][row][c] - row_delta));\n"
+        "    }\n"
+        "    __syncwarp();  // dS is in shared memory\n"
+        + _warp_accumulate("dq_frag", "ds_tile", "k_tile") +
+        "    }\n"
+        + _store_fragments("dq_frag", "s_tile", "dq", layout.dq, "query", float_literal(scale)) +
+        "}\n")
+    name, code = finish(_stem("attention_dq_wmma", head_dim, causal, scale, dtype, layout), template)
+    return KernelSource(name, "attention_dq", code, params, _shape(rows, shared), PACKED_ALIGNMENT)
+
+
 def _delta_kernel(head_dim: int, dtype: str, layout: AttentionLayout) -> KernelSource:
     params = (pointer_param("o", dtype, "input"), pointer_param(DO_PARAMETER, dtype, "input"),
               pointer_param("delta", "f32", "output"), *_sizes())
@@ -593,6 +816,14 @@ def tensor_cores_fit(head_dim: int, dtype: str) -> bool:
     return dtype == "bf16" and head_dim % WMMA_SIDE == 0
 
 
+def _tensor_cores_chosen(what: str, head_dim: int, dtype: str, tensor_cores: bool | None) -> bool:
+    fits = tensor_cores_fit(head_dim, dtype)
+    if tensor_cores and not fits:
+        raise ValueError(f"{what}: the tensor-core kernels take bf16 storage and head dimensions that are "
+                         f"multiples of {WMMA_SIDE}, not {dtype} and {head_dim}")
+    return fits and tensor_cores is not False
+
+
 def attention_forward(head_dim: int, *, causal: bool, scale: float, dtype: str = "f32",
                       layout: AttentionLayout | None = None, tensor_cores: bool | None = None) -> KernelProgram:
     """O = softmax(scale * Q K^T, masked above the diagonal when `causal`) V and its rows' log-sum-exp (see the
@@ -603,11 +834,7 @@ def attention_forward(head_dim: int, *, causal: bool, scale: float, dtype: str =
     """
     _check("attention_forward", head_dim, dtype, scale)
     layout = layout or HEADS
-    fits = tensor_cores_fit(head_dim, dtype)
-    if tensor_cores and not fits:
-        raise ValueError(f"attention_forward: the tensor-core kernel takes bf16 storage and head dimensions that "
-                         f"are multiples of {WMMA_SIDE}, not {dtype} and {head_dim}")
-    if fits and tensor_cores is not False:
+    if _tensor_cores_chosen("attention_forward", head_dim, dtype, tensor_cores):
         kernel = _forward_wmma_kernel(head_dim, causal, scale, layout)
     else:
         kernel = _forward_kernel(head_dim, causal, scale, dtype, layout)
@@ -615,14 +842,19 @@ def attention_forward(head_dim: int, *, causal: bool, scale: float, dtype: str =
 
 
 def attention_backward(head_dim: int, *, causal: bool, scale: float, dtype: str = "f32",
-                       layout: AttentionLayout | None = None) -> KernelProgram:
+                       layout: AttentionLayout | None = None, tensor_cores: bool | None = None) -> KernelProgram:
     """dQ, dK and dV of the attention from Q, K, V, O, the forward's log-sum-exp and dO, in three launches:
-    delta = rowsum(dO * O), then dK and dV per key block, then dQ per query block."""
+    delta = rowsum(dO * O), then dK and dV per key block, then dQ per query block (`tensor_cores` as for
+    `attention_forward`)."""
     _check("attention_backward", head_dim, dtype, scale)
     layout = layout or HEADS
+    fits = _tensor_cores_chosen("attention_backward", head_dim, dtype, tensor_cores)
     delta = _delta_kernel(head_dim, dtype, layout)
-    dkdv = _dkdv_kernel(head_dim, causal, scale, dtype, layout)
-    dq = _dq_kernel(head_dim, causal, scale, dtype, layout)
+    if fits:
+        dkdv, dq = _dkdv_wmma_kernel(head_dim, causal, scale, layout), _dq_wmma_kernel(head_dim, causal, scale, layout)
+    else:
+        dkdv = _dkdv_kernel(head_dim, causal, scale, dtype, layout)
+        dq = _dq_kernel(head_dim, causal, scale, dtype, layout)
     params = (*(pointer_param(n, dtype, "input") for n in ("q", "k", "v", "o")), pointer_param("lse", "f32", "input"),
               pointer_param("do", dtype, "input"), *(pointer_param(n, dtype, "output") for n in ("dq", "dk", "dv")),
               pointer_param("delta", "f32", "output"), *_sizes())

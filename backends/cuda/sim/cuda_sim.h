@@ -1259,7 +1259,9 @@ SEXPGPU_SIM_REDUCE(__reduce_xor_sync, unsigned, sexpgpu_sim::kReduceXor)
 // each lane holds 8 of its 256 elements, and every operation is computed by
 // the warp's lanes, each doing its own elements. Which elements a lane holds
 // is cuda-sim's choice (lane l holds elements 8l to 8l+7 in row-major order):
-// CUDA leaves it unspecified, so a kernel must not depend on it. mma_sync
+// CUDA leaves it unspecified, so a kernel must not depend on it. Each
+// operation meets the warp's 32 lanes first (a ballot): a lane that has
+// exited, or waits elsewhere, is an error, as on the device. mma_sync
 // stages both inputs for the warp and each lane adds, for each of its
 // elements, the 16 products to the accumulator's value in order of k, each
 // sum rounded to f32 (the products of bf16 inputs are exact in f32); the
@@ -1272,6 +1274,19 @@ constexpr int kFragmentElements = kFragmentSide * kFragmentSide / 32;
 // Each warp's inputs of the mma_sync in progress, for all its lanes to read.
 inline thread_local float mma_stage[kMaxWarps][2][kFragmentSide * kFragmentSide];
 inline unsigned fragment_index(unsigned lane, int i) { return lane * kFragmentElements + static_cast<unsigned>(i); }
+// A wmma operation is executed by all 32 lanes of the warp together: a ballot meets the lanes that take
+// part, and one that has exited (or does not exist: the block's last warp is partial) is an error.
+inline unsigned whole_warp_lane(const char* op) {
+    const unsigned present = __ballot_sync(~0u, 1);
+    const Thread& self = *g.current;
+    if (present != ~0u) {
+        char who[64];
+        describe_thread(who, sizeof who, self);
+        fail("%s (warp %u) calls nvcuda::wmma::%s, which needs all 32 lanes of the warp, but lanes 0x%08x of it "
+             "have exited or do not exist", who, self.tid >> 5, op, ~present);
+    }
+    return self.tid & 31;
+}
 }  // namespace sexpgpu_sim
 
 namespace nvcuda {
@@ -1304,8 +1319,7 @@ template <class Use, class Layout>
 inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, const __nv_bfloat16* p,
                              unsigned ldm) {
     static_assert(!std::is_same<Use, accumulator>::value, "cuda-sim loads matrix_a and matrix_b fragments only");
-    __syncwarp();
-    unsigned lane = sexpgpu_sim::g.current->tid & 31;
+    unsigned lane = sexpgpu_sim::whole_warp_lane("load_matrix_sync");
     for (int i = 0; i < f.num_elements; ++i) {
         unsigned e = sexpgpu_sim::fragment_index(lane, i), row = e / 16, col = e % 16;
         f.x[i] = std::is_same<Layout, row_major>::value ? p[row * ldm + col] : p[col * ldm + row];
@@ -1314,8 +1328,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f
 
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
                               layout_t layout) {
-    __syncwarp();
-    unsigned lane = sexpgpu_sim::g.current->tid & 31;
+    unsigned lane = sexpgpu_sim::whole_warp_lane("store_matrix_sync");
     for (int i = 0; i < f.num_elements; ++i) {
         unsigned e = sexpgpu_sim::fragment_index(lane, i), row = e / 16, col = e % 16;
         (layout == mem_row_major ? p[row * ldm + col] : p[col * ldm + row]) = f.x[i];
@@ -1327,9 +1340,8 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
                      const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LayoutA>& a,
                      const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LayoutB>& b,
                      const fragment<accumulator, 16, 16, 16, float>& c) {
-    unsigned tid = sexpgpu_sim::g.current->tid, lane = tid & 31;
-    float (&stage)[2][256] = sexpgpu_sim::mma_stage[tid >> 5];
-    __syncwarp();  // every lane is done reading the last product's inputs
+    unsigned lane = sexpgpu_sim::whole_warp_lane("mma_sync");  // every lane is done reading the last inputs
+    float (&stage)[2][256] = sexpgpu_sim::mma_stage[sexpgpu_sim::g.current->tid >> 5];
     for (int i = 0; i < a.num_elements; ++i) {
         stage[0][sexpgpu_sim::fragment_index(lane, i)] = static_cast<float>(a.x[i]);
         stage[1][sexpgpu_sim::fragment_index(lane, i)] = static_cast<float>(b.x[i]);
