@@ -2,14 +2,14 @@
 
 The public API (a contract the `attention` kern kernel kind binds to):
 
-    attention_forward(head_dim, *, causal, scale, dtype="f32", layout=None) -> KernelProgram
+    attention_forward(head_dim, *, causal, scale, dtype="f32", layout=None, tensor_cores=None) -> KernelProgram
         inputs  q, k, v           storage dtype, placed by `layout`
         outputs o                 storage dtype, placed by `layout`
                 lse               f32 [batch, heads, seq] contiguous: log(sum_j exp(scale * q_i . k_j))
                                   over the keys j row i sees (j <= i when causal)
         sizes   batch, heads, seq (runtime: one kernel serves every sequence length)
 
-    attention_backward(head_dim, *, causal, scale, dtype="f32", layout=None) -> KernelProgram
+    attention_backward(head_dim, *, causal, scale, dtype="f32", layout=None, tensor_cores=None) -> KernelProgram
         inputs  q, k, v, o, lse, do
         outputs dq, dk, dv        storage dtype, placed by `layout`
                 delta             f32 [batch, heads, seq] contiguous: rowsum(do * o), written by the
@@ -19,6 +19,10 @@ The public API (a contract the `attention` kern kernel kind binds to):
 
     AttentionLayout: where each of q, k, v, o, do, dq, dk, dv lives (`Placement`s), with two layouts
     made for the compiler: `PACKED` and `HEADS` (the default when `layout` is None).
+
+    tensor_cores: None takes nvcuda::wmma where `tensor_cores_fit(head_dim, dtype)` (bf16 storage, head
+    dimensions that are multiples of 16) and plain FMA elsewhere; False asks for FMA; True for wmma (a
+    ValueError where it does not fit). The programs' operands are the same either way.
 
 Every pointer operand is bound to the address of the tensor's whole buffer: a
 `Placement` gives the element offset of (batch 0, head 0, token 0, feature 0)
@@ -33,20 +37,22 @@ merged-heads [B, T, C] tensors, and dq, dk and dv all to the one packed
 writes only its own columns). In `HEADS` every tensor is a contiguous
 [B, H, T, head_dim]. lse and delta are [B, H, T] in both.
 
-The forward launches one kernel: a block per 32 query rows of one (batch,
-head), looping over key/value blocks, up to the diagonal only when causal
-(the blocks above it are never read, the diagonal block is masked), with an
-online softmax (a running maximum and sum per row) and f32 accumulators; it
-writes O and the log-sum-exp. The backward launches three, each
-deterministic (no atomics; every sum is taken in a fixed order): `delta`
-(D = rowsum(dO * O), a warp per row), `dkdv` (a block per key block looping
+The forward launches one kernel: a block per 64 query rows (tensor cores;
+32 with FMA) of one (batch, head), looping over key/value blocks, up to the
+diagonal only when causal (the blocks above it are never read, the diagonal
+block is masked), with an online softmax (a running maximum and sum per row)
+and f32 accumulators; it writes O and the log-sum-exp. The backward launches
+three, each deterministic (no atomics; every sum is taken in a fixed order):
+`delta` (D = rowsum(dO * O), a warp per row), `dkdv` (a block per key block looping
 over the query blocks that see it, recomputing P = exp(S - lse) and
 dS = P * (dP - D) and accumulating dV += P^T dO and dK += scale * dS^T Q)
 and `dq` (a block per query block looping over the key blocks it sees,
 accumulating dQ += scale * dS K). Nothing of size seq x seq is stored: the
 score tiles live in shared memory. Head dimensions: multiples of 8 from 8 to
-128. Values are computed in f32 whatever the storage; each output is rounded
-once when stored. docs/cuda.md, section "Fused attention", compares this
+128 (16 to 128 in steps of 16 on the tensor cores). The tensor-core backward
+kernels take dynamic shared memory (up to 70 KiB at head dimension 128; the
+launch shape says how much). Values are computed in f32 whatever the
+storage; each output is rounded once when stored. docs/cuda.md, section "Fused attention", compares this
 with FlashAttention-2 and llm.c's cuDNN path.
 """
 
@@ -231,6 +237,16 @@ def _load_tile(tile: str, rows: int, pointer: str, placement: Placement, first: 
         + store + "    }\n")
 
 
+def _key_steps(end: str, k_tile: str, v_tile: str, rows: int, layout: AttentionLayout, vec: int,
+               aligned: bool = False) -> str:
+    """C opening the loop over blocks of `rows` keys below `end`, each loaded into the key and value tiles."""
+    return (f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
+            "    __syncthreads();  // every warp is done with the last tiles\n"
+            + _load_tile(k_tile, rows, "k", layout.k, "k0", vec, aligned)
+            + _load_tile(v_tile, rows, "v", layout.v, "k0", vec, aligned) +
+            "    __syncthreads();\n")
+
+
 def _load_stat(tile: str, rows: int, pointer: str, first: str) -> str:
     return (f"    for (int r = threadIdx.x; r < {rows}; r += {THREADS}) "
             f"{tile}[r] = {first} + r < seq ? {pointer}[stats + {first} + r] : 0.0f;\n")
@@ -276,11 +292,7 @@ def _forward_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layou
         "    const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS;\n"
         + _load_tile("q_tile", tiles.rows, "q", layout.q, "q0", vec) +
         "    float m = -SX_INF, l = 0.0f, acc[D / LANES] = {};\n"
-        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
-        "    __syncthreads();  // every warp is done with the last key and value tiles\n"
-        + _load_tile("k_tile", tiles.step, "k", layout.k, "k0", vec)
-        + _load_tile("v_tile", tiles.step, "v", layout.v, "k0", vec) +
-        "    __syncthreads();\n"
+        + _key_steps(end, "k_tile", "v_tile", tiles.step, layout, vec) +
         "    float s[STEP / LANES] = {};\n"
         "    for (int d = 0; d < D; ++d) {\n"
         "        const float qd = q_tile[row][d];\n"
@@ -370,11 +382,7 @@ def _forward_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: Atte
         "    for (int t = 0; t < D / SIDE; ++t) nvcuda::wmma::load_matrix_sync(q_frag[t], &kv_tile[warp * SIDE][t * SIDE]"
         ", DK);\n"
         "    float m = -SX_INF, l = 0.0f, acc[D / 2] = {};  // columns n * 16 + half * 8 + j of the row\n"
-        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
-        "    __syncthreads();  // every warp is done with the last tiles (or the query rows)\n"
-        + _load_tile("kv_tile", WMMA_STEP, "k", layout.k, "k0", vec, aligned=True)
-        + _load_tile("(kv_tile + STEP)", WMMA_STEP, "v", layout.v, "k0", vec, aligned=True) +
-        "    __syncthreads();\n"
+        + _key_steps(end, "kv_tile", "(kv_tile + STEP)", WMMA_STEP, layout, vec, aligned=True) +
         "    #pragma unroll\n"
         "    for (int n = 0; n < STEP / SIDE; ++n) {\n"
         "        nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> s_frag;\n"
@@ -641,12 +649,8 @@ def _dq_wmma_kernel(head_dim: int, causal: bool, scale: float, layout: Attention
         + _load_tile("do_tile", rows, DO_PARAMETER, layout.do, "q0", vec, aligned=True) +
         "    const float row_lse = query < seq ? lse[stats + query] : 0.0f;\n"
         "    const float row_delta = query < seq ? delta[stats + query] : 0.0f;\n"
-        + _zeroed("dq_frag") +
-        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
-        "    __syncthreads();  // every warp is done with the last key and value tiles (or the query rows)\n"
-        + _load_tile("k_tile", step, "k", layout.k, "k0", vec, aligned=True)
-        + _load_tile("v_tile", step, "v", layout.v, "k0", vec, aligned=True) +
-        "    __syncthreads();\n"
+        + _zeroed("dq_frag")
+        + _key_steps(end, "k_tile", "v_tile", step, layout, vec, aligned=True)
         + _warp_product_t("q_tile", "k_tile", "s_tile") +
         "    float p[STEP / 2];\n"
         "    #pragma unroll\n"
@@ -770,11 +774,7 @@ def _dq_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layout: At
         "    const float row_lse = q0 + row < seq ? lse[stats + q0 + row] : 0.0f;\n"
         "    const float row_delta = q0 + row < seq ? delta[stats + q0 + row] : 0.0f;\n"
         "    float dq_sum[D / LANES] = {};\n"
-        f"    for (int k0 = 0; k0 < {end}; k0 += STEP) {{\n"
-        "    __syncthreads();  // every warp is done with the last key and value tiles\n"
-        + _load_tile("k_tile", tiles.step, "k", layout.k, "k0", vec)
-        + _load_tile("v_tile", tiles.step, "v", layout.v, "k0", vec) +
-        "    __syncthreads();\n"
+        + _key_steps(end, "k_tile", "v_tile", tiles.step, layout, vec) +
         "    float s[STEP / LANES] = {}, dp[STEP / LANES] = {};\n"
         "    for (int d = 0; d < D; ++d) {\n"
         "        const float qd = q_tile[row][d], dod = do_tile[row][d];\n"
