@@ -249,6 +249,14 @@ def test_what_the_kernels_do_not_take_is_refused(head_dim, dtype, scale, message
             template(head_dim, causal=True, scale=scale, dtype=dtype)
 
 
+@pytest.mark.parametrize("head_dim, dtype", [(64, "f32"), (40, "bf16")])
+def test_tensor_cores_are_refused_where_they_do_not_fit(head_dim, dtype):
+    for template in (attention_forward, attention_backward):
+        with pytest.raises(ValueError, match=f"tensor-core kernels take bf16 storage and head dimensions that are "
+                                             f"multiples of 16, not {dtype} and {head_dim}"):
+            template(head_dim, causal=False, scale=0.125, dtype=dtype, tensor_cores=True)
+
+
 WMMA_PRODUCT = r"""
 #include <mma.h>
 extern "C" __global__ void product(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* c, float* d,
