@@ -308,10 +308,16 @@ def test_cuda_sim_wmma_is_the_warps_product_in_order_of_k(b_col_major):
         device.launch(module.kernel("product"), 1, 32, 0, (*held, int(b_col_major), 31))
 
 
+#: What NVRTC compiles: every kernel kind at each head dimension and storage, causal (the full variant differs
+#: only in a loop bound and a comparison), and the packed layout's addressing once (ptxas is slow on wmma).
+NVRTC_PROGRAMS = [p for d in (32, 64, 128) for dtype in ("f32", "bf16") for p in programs(d, True, dtype, "heads")]
+NVRTC_PROGRAMS += [*programs(64, True, "bf16", "packed"), *programs(40, True, "bf16", "heads")]
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_attention_kernel_compiles_with_nvrtc_without_spills(arch):
-    source = translation_unit(k for p in ALL_PROGRAMS for k in p.kernels)
+    source = translation_unit(k for p in NVRTC_PROGRAMS for k in p.kernels)
     cubin = compile_cubin(source, arch, name="attention_kernels")
-    assert set(cubin.kernels) == {k.name for p in ALL_PROGRAMS for k in p.kernels}
+    assert set(cubin.kernels) == {k.name for p in NVRTC_PROGRAMS for k in p.kernels}
     assert not cubin.spilling(), [k.name for k in cubin.spilling()]
     assert all(k.stack_frame == 0 for k in cubin.kernels.values())
