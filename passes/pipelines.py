@@ -16,7 +16,7 @@ STACK_VARIANTS = "stack-variants"
 
 #: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
 #: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
-CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"
+CUDA_LOWERING = "match-patterns,gemm-layouts,fuse,plan-buffers,emit-cuda"
 
 
 def run_graphs(stacking: bool) -> str:
@@ -31,4 +31,4 @@ SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=t
 
 #: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
 #: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
-CPU_C_LOWERING = "match-patterns,fuse,plan-buffers"
+CPU_C_LOWERING = "match-patterns,gemm-layouts,fuse,plan-buffers"
