@@ -27,6 +27,12 @@ The rewrites, each a pattern driven to a fixpoint:
   dtype; the model path aside) is that op's result, so the forward's head
   layouts and weight casts serve the backward's GEMMs too.
 
+The lowerings run the casts alone (`transposes=false`) before `match-patterns`:
+a layer norm's output, read by the forward's cast and by the weight
+gradient's Xᵀ, is then read by one cast only, and `match-patterns` writes it
+in that dtype (no cast kernel); the rest runs after, on the pattern kernels'
+graph.
+
 Guarantees: every rewrite computes the same values (views and casts
 commute; matmul(A, B)ᵀ = matmul(Bᵀ, Aᵀ) exactly, products accumulate the
 same terms); only ops that feed matmuls move, so graphs without matmuls are
@@ -62,11 +68,17 @@ class GemmLayouts(Pass):
 
     name = "gemm-layouts"
     summary = "read GEMM operands through transpose flags: casts before views, transposes split, layouts shared"
+    #: With false, only casts move before views and are shared (`CastBeforeView`, `ShareLayout` of casts):
+    #: the lowerings run that before `match-patterns`, so a norm whose every outside reader now casts
+    #: writes the cast's dtype itself, and the transposes after it, on the pattern kernels' graph.
+    transposes: bool = True
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
-        driver = GreedyRewriteDriver([CastBeforeView(), SplitOperandTranspose(), SwapTransposedProduct(),
-                                      ShareLayout()])
+        patterns = [CastBeforeView(), ShareLayout(("graph.cast",))]
+        if self.transposes:
+            patterns += [SplitOperandTranspose(), SwapTransposedProduct(), ShareLayout(("graph.transpose",))]
+        driver = GreedyRewriteDriver(patterns)
         for func in graph_funcs(module):
             for region in func.regions:
                 for block in region.blocks:
@@ -202,9 +214,10 @@ class SwapTransposedProduct(RewritePattern):
 
 
 class ShareLayout(RewritePattern):
-    """A transpose or cast feeding matmuls that an earlier op computes already is that op's result."""
+    """A transpose or cast (`op_names`) feeding matmuls that an earlier op computes already is that op's result."""
 
-    op_names = ("graph.transpose", "graph.cast")
+    def __init__(self, op_names: tuple[str, ...]) -> None:
+        self.op_names = op_names
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> bool:
         if not feeds_matmuls(op.result):
