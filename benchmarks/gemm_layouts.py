@@ -3,7 +3,8 @@
     python benchmarks/gemm_layouts.py [--example examples/gpt2-small.sx] [--graph train]
 
 Runs the training pipeline, then the CUDA lowering up to `fuse` twice: without
-`gemm-layouts` (`match-patterns,fuse`) and with it (`match-patterns,gemm-layouts,fuse`).
+`gemm-layouts` (`match-patterns,fuse`) and with it as `CUDA_LOWERING` runs it
+(`gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse`).
 For one call of the graph it prints the kernels it runs (launches and GEMMs), the GEMMs
 by their transpose flags (nn, nt, tn, tt), and by kernel family the launches and the
 bytes they move: each operand read once and each result written once, at its dtype's
@@ -68,7 +69,8 @@ def main() -> None:
     load_all()
     register_targets()
     results = {}
-    for label, lowering in (("without", "match-patterns,fuse"), ("with", "match-patterns,gemm-layouts,fuse")):
+    for label, lowering in (("without", "match-patterns,fuse"),
+                            ("with", "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse")):
         lowered = CompilationUnit(module=unit.module.clone())
         PassManager(parse_pipeline(lowering)).run(lowered)
         results[label] = account(lowered.module, args.graph)
