@@ -300,8 +300,9 @@ class GemmOp(OpDef):
     Row-major `D = alpha · op(A) · op(B) (+ bias) + beta · C` over `batch`
     matrices (operands of rank 3 carry the batch first; a rank-2 operand is
     shared by every batch); `op` transposes the last two axes when asked. The
-    bias is an operand when the epilogue names one, `C` when `beta` is not 0.
-    The result dtype may differ from the inputs' (f32 compute, output rounded).
+    bias is an operand when the epilogue names one (a [n] row of the result's
+    dtype, as cuBLASLt reads it), `C` when `beta` is not 0. The result dtype
+    may differ from the inputs' (f32 compute, output rounded).
     """
 
     name = "kern.gemm"
@@ -330,6 +331,8 @@ class GemmOp(OpDef):
         for t in (a, b):
             if t.rank == 3 and t.shape[0] != batch:
                 raise VerifyError(f"'kern.gemm' operand {t} does not have {batch} batches", op)
+        if attrs["epilogue"] in ("bias", "gelu_bias") and op.operands[2].type != TensorType((n,), out.dtype):
+            raise VerifyError(f"'kern.gemm' bias {op.operands[2].type} is not the result's [{n}] {out.dtype} row", op)
         del k
 
 

@@ -68,6 +68,7 @@ from .fuse_plan import (
     splat_value,
     view_sources,
 )
+from .gemm_layouts import precedes
 from .manager import CompilationUnit, Pass, register_pass
 from .targets import KernelTarget, kernel_target
 
@@ -302,6 +303,16 @@ def _transposed(value: Value) -> tuple[Value, bool]:
     return value, False
 
 
+def _shared_read(value: Value, before: Operation) -> Value:
+    """`legal_read(value, before)`, or the copy of `value` an earlier GEMM's operand made: a layout
+    (the head layout of K read by the forward and the backward) is written once."""
+    if not is_buffer(value):
+        for user in value.users():
+            if user.name == "kern.copy" and precedes(user, before):
+                return user.result
+    return legal_read(value, before)
+
+
 def lower_matmul(op: Operation) -> None:
     """`graph.matmul` as one `kern.gemm` (batches flattened, transposes and an epilogue folded)."""
     a, b = op.operands
@@ -315,12 +326,12 @@ def lower_matmul(op: Operation) -> None:
     left, transpose_a = _transposed(a)
     right, transpose_b = _transposed(b)
     if a.type.rank > 2 and b.type.rank == 2 and not transpose_a:
-        left = _reshape(legal_read(left, anchor), [count * m, left.type.shape[-1]], anchor)
+        left = _reshape(_shared_read(left, anchor), [count * m, left.type.shape[-1]], anchor)
         count = 1
     else:
         left = _batched(left, a.type, batch, anchor)
         right = _batched(right, b.type, batch, anchor)
-    right = legal_read(right, anchor) if right.type.rank == 2 else right
+    right = _shared_read(right, anchor) if right.type.rank == 2 else right
     shape = [count, m, n] if count > 1 else [math.prod(batch) * m, n]
     operands = [left, right]
     epilogue = "none"
@@ -343,11 +354,11 @@ def _batched(value: Value, read: TensorType, batch: Sequence[int], before: Opera
     """A GEMM operand over `batch` (the product's batch shape): rank 2 when shared by every batch,
     else rank 3 with the batches flattened (a broadcast batch is materialised first)."""
     if read.rank == 2:
-        return legal_read(value, before)
+        return _shared_read(value, before)
     if tuple(read.shape[:-2]) != tuple(batch):
         full = _create("graph.broadcast", [value], {"shape": [*batch, *value.type.shape[-2:]]}, before).result
         value = _create("kern.copy", [full], {}, before).result
-    return _reshape(legal_read(value, before), [math.prod(batch), *value.type.shape[-2:]], before)
+    return _reshape(_shared_read(value, before), [math.prod(batch), *value.type.shape[-2:]], before)
 
 
 def _epilogue(op: Operation) -> tuple[Value, Value | None, Value | None]:
@@ -365,10 +376,16 @@ def _epilogue(op: Operation) -> tuple[Value, Value | None, Value | None]:
     add = users[0]
     other = add.operands[1] if add.operands[0] is result else add.operands[0]
     n = result.type.shape[-1]
-    if other.op is not None and other.op.name == "graph.broadcast":
-        vector = other.op.operands[0]
+    # The bf16 policy casts the broadcast f32 bias: the broadcast of the cast [n] vector is the same.
+    cast = other.op if other.op is not None and other.op.name == "graph.cast" else None
+    broadcast = cast.operands[0].op if cast is not None else other.op
+    if broadcast is not None and broadcast.name == "graph.broadcast":
+        vector = broadcast.operands[0]
         if vector.type.numel == n and vector.type.shape[-1:] == (n,) and is_buffer(vector):
-            return add.result, _reshape(vector, [n], add), None
+            bias = _reshape(vector, [n], add)
+            if cast is not None:
+                bias = _create("graph.cast", [bias], dict(cast.attributes), add).result
+            return add.result, bias, None
         return result, None, None
     if other.type == result.type and is_buffer(other):
         return add.result, None, other

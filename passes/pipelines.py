@@ -14,9 +14,10 @@ RUN_GRAPHS = "flatten-updates,scale-gradients"
 #: train graph for each degree it may choose among by memory.
 STACK_VARIANTS = "stack-variants"
 
-#: After the training pipeline, for a CUDA device: the pattern kernels, fusion of everything else into
-#: kernel launches and cuBLASLt GEMMs, every buffer's place, the CUDA C (docs/cuda.md, "The lowering").
-CUDA_LOWERING = "match-patterns,fuse,plan-buffers,emit-cuda"
+#: After the training pipeline, for a CUDA device: casts before the views matmuls read, the pattern kernels,
+#: GEMM operand layouts, fusion of everything else into kernel launches and cuBLASLt GEMMs, every buffer's
+#: place, the CUDA C (docs/cuda.md, "The lowering").
+CUDA_LOWERING = "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers,emit-cuda"
 
 
 def run_graphs(stacking: bool) -> str:
@@ -31,4 +32,4 @@ SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=t
 
 #: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
 #: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
-CPU_C_LOWERING = "match-patterns,fuse,plan-buffers"
+CPU_C_LOWERING = "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers"

@@ -177,16 +177,19 @@ def _norm_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
 
 
 def _column_sum(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
-    """out[c] = the sum of the partial rows' column c, in partial-row order."""
-    partials_name, out = o.names[0], o.names[1]
-    partials = o.inputs[0].numel // cols
-    return (f"    float* total = (float*)calloc({cols}, sizeof(float));\n"
-            f"    for (long long p = 0; p < {partials}LL; ++p) {{\n"
-            "        #pragma omp simd\n"
-            f"        for (long long c = 0; c < {cols}LL; ++c) total[c] += {o.ld(partials_name, f'p * {cols}LL + c')};\n"
-            "    }\n"
-            f"    for (long long c = 0; c < {cols}LL; ++c) {o.st(out, 'c', 'total[c]')}\n"
-            "    free(total);\n")
+    """out_j[c] = the sum of partials_j's rows' column c, in partial-row order, for each array j (the
+    CUDA step sums every array of a norm's backward in one launch: inputs the partials, outputs the sums)."""
+    arrays = len(o.inputs)
+    code = f"    float* total = (float*)malloc({cols} * sizeof(float));\n"
+    for partials_name, out, partials_type in zip(o.names[:arrays], o.names[arrays:], o.inputs):
+        code += (f"    for (long long c = 0; c < {cols}LL; ++c) total[c] = 0.0f;\n"
+                 f"    for (long long p = 0; p < {partials_type.numel // cols}LL; ++p) {{\n"
+                 "        #pragma omp simd\n"
+                 f"        for (long long c = 0; c < {cols}LL; ++c) total[c] += "
+                 f"{o.ld(partials_name, f'p * {cols}LL + c')};\n"
+                 "    }\n"
+                 f"    for (long long c = 0; c < {cols}LL; ++c) {o.st(out, 'c', 'total[c]')}\n")
+    return code + "    free(total);\n"
 
 
 ROW_FAMILIES: dict[str, Callable[[_Operands, int, int, dict], str]] = {

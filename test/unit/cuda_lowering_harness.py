@@ -42,7 +42,7 @@ def copies(module: Operation) -> tuple[Operation, Operation]:
     return parse_module(text, "reference.sxir"), parse_module(text, "lowered.sxir")
 
 
-def lower(module: Operation, pipeline: str = "fuse,emit-cuda") -> CompilationUnit:
+def lower(module: Operation, pipeline: str = "gemm-layouts,fuse,emit-cuda") -> CompilationUnit:
     return run_pipeline(CompilationUnit(module=module), pipeline)
 
 

@@ -53,6 +53,10 @@ BLOCK_LAYOUT_FROM = 4096
 #: A column-summing kernel gives each warp about this many rows, with at most MAX_PARTIAL_BLOCKS blocks.
 ROWS_PER_WARP = 8
 MAX_PARTIAL_BLOCKS = 256
+#: ... and at least this many blocks where its rows give every warp one: a block per SM of the largest
+#: device the targets name (an H100 or H200 has 132), so a norm's backward fills the device (llm.c launches
+#: its layernorm backward on every SM).
+MIN_PARTIAL_BLOCKS = 132
 
 #: How far a strided pass over the row (not one over register arrays) is unrolled.
 STRIDED_UNROLL = 4
@@ -212,7 +216,8 @@ def row_kernel(spec: RowSpec, layout: RowLayout) -> KernelSource:
 def partial_rows(rows: int, threads: int) -> int:
     """The partial rows a column-summing kernel of `threads` a block writes for `rows` rows (one per warp)."""
     warps = threads // WARP
-    return warps * min(-(-rows // (ROWS_PER_WARP * warps)), MAX_PARTIAL_BLOCKS)
+    blocks = max(-(-rows // (ROWS_PER_WARP * warps)), min(MIN_PARTIAL_BLOCKS, -(-rows // warps)))
+    return warps * min(blocks, MAX_PARTIAL_BLOCKS)
 
 
 def _launch_shape(spec: RowSpec, layout: RowLayout):

@@ -237,11 +237,13 @@ def _column_summing(spec: RowSpec, d: Mapping[str, str], threads: int | None) ->
     layout = choose_layout(spec, "warp", threads)
     kernel = row_kernel(spec, layout)
     outputs = [(partials, partials.removesuffix("_partials")) for partials, _ in spec.column_sums]
-    steps = [Step(kernel, tuple(p.name for p in kernel.params))]
     runtime_cols = ("cols",) if spec.cols is None else ()
-    for partials, output in outputs:
-        reduce = column_sum(spec.cols, dtype=d[output])
-        steps.append(Step(reduce.kernels[0], (partials, output, "partials", *runtime_cols)))
+    steps = [Step(kernel, tuple(p.name for p in kernel.params))]
+    if outputs:
+        # Every sum's partial rows in one more launch (llm.c's layernorm backward adds its two in one kernel).
+        reduce = column_sum(spec.cols, dtypes=[d[output] for _, output in outputs])
+        steps.append(Step(reduce.kernels[0], (*[p for p, _ in outputs], *[o for _, o in outputs], "partials",
+                                              *runtime_cols)))
     inputs = [p for p in kernel.params if p.role == "input"]
     scratch = [p for p in kernel.params if p.role == "scratch"]
     sizes = [p for p in kernel.params if p.role == "scalar"]
@@ -341,26 +343,31 @@ def sum_reduce(*, scale: float = 1.0, mean: bool = False, dtype: str = "f32", dt
     return single(KernelSource(name, "sum_reduce", code, params, lambda sizes: shape))
 
 
-def column_sum(cols: int | None, *, dtype: str = "f32") -> KernelProgram:
+def column_sum(cols: int | None, *, dtype: str = "f32", dtypes: Sequence[str] | None = None) -> KernelProgram:
     """out[c] = sum over p of partials[p, c] (f32 partial rows [partials, cols]) in the order of p.
 
     A block takes 32 groups of columns; its 8 slices of threads each add every
     8th partial row in order, and the first slice adds the 8 slice sums in order.
+    With `dtypes` (one output dtype per array) it sums several arrays of partial
+    rows in one launch, `partials_j` into `out_j`, the grid's y the array: a
+    norm's backward adds its dweight and dbias partials in one launch.
     """
     _check_cols("column_sum", cols)
-    check_dtype("column_sum out", dtype, FLOAT_STORAGE)
-    vec = vector_width(cols, ["f32", dtype])
-    params = [pointer_param("partials", "f32", "input"), pointer_param("out", dtype, "output"), size_param("count")]
+    arrays = list(dtypes) if dtypes is not None else [dtype]
+    for out_dtype in arrays:
+        check_dtype("column_sum out", out_dtype, FLOAT_STORAGE)
+    vec = vector_width(cols, ["f32", *arrays])
+    names = [("partials", "out")] if dtypes is None else [(f"partials_{j}", f"out_{j}") for j in range(len(arrays))]
+    params = [pointer_param(partials, "f32", "input") for partials, _ in names]
+    params += [pointer_param(out, out_dtype, "output") for (_, out), out_dtype in zip(names, arrays)]
+    params.append(size_param("count"))
     if cols is None:
         params.append(size_param("cols"))
     slices = COLUMN_SUM_SLICES
     qualifier = "constexpr" if cols is not None else "const"
-    template = (
-        kernel_head(32 * slices, params) +
-        f"    {qualifier} int C = {cols if cols is not None else 'cols'};\n"
-        f"    constexpr int VEC = {vec};\n"
-        f"    {qualifier} int NV = C / VEC;\n"
-        f"    __shared__ float slice_sums[{slices}][32][VEC];\n"
+    selects = "".join(f"    {'if' if j == 0 else 'else if'} (blockIdx.y == {j}) "
+                      f"{{NAME}}_array{j}(partials_{j}, out_{j}, count, C, slice_sums);\n" for j in range(len(arrays)))
+    body = (
         "    const int i = blockIdx.x * 32 + threadIdx.x;\n"
         "    float total[VEC] = {};\n"
         "    if (i < NV) {\n"
@@ -380,13 +387,26 @@ def column_sum(cols: int | None, *, dtype: str = "f32") -> KernelProgram:
         "            for (int j = 0; j < VEC; ++j) total[j] += slice_sums[s][threadIdx.x][j];\n"
         "        }\n"
         "        sx_st_vec(out + i * VEC, total);\n"
-        "    }\n"
-        "}\n")
-    name, code = finish(f"column_sum_{dtype}_c{cols if cols is not None else 'N'}", template)
+        "    }\n")
+    head = kernel_head(32 * slices, params)
+    columns = f"    {qualifier} int C = {cols if cols is not None else 'cols'};\n    constexpr int VEC = {vec};\n"
+    shared = f"    __shared__ float slice_sums[{slices}][32][VEC];\n"
+    if dtypes is None:
+        template = head + columns + f"    {qualifier} int NV = C / VEC;\n" + shared + body + "}\n"
+    else:
+        # One device function per array (its output dtype), the block's y choosing which it sums.
+        functions = "".join(
+            f"static __device__ __forceinline__ void {{NAME}}_array{j}(const float* __restrict__ partials, "
+            f"{c_type(out_dtype)}* __restrict__ out, int count, int C, float (*slice_sums)[32][{vec}]) {{\n"
+            f"    constexpr int VEC = {vec};\n    const int NV = C / VEC;\n" + body + "}\n"
+            for j, out_dtype in enumerate(arrays))
+        template = functions + head + columns + shared + selects + "}\n"
+    stem = "_".join(arrays) if dtypes is not None else dtype
+    name, code = finish(f"column_sum_{stem}_c{cols if cols is not None else 'N'}", template)
 
     def shape(sizes: Mapping[str, int]) -> LaunchShape:
         groups = (cols if cols is not None else sizes["cols"]) // vec
-        return LaunchShape((-(-groups // 32), 1, 1), (32, slices, 1))
+        return LaunchShape((-(-groups // 32), len(arrays), 1), (32, slices, 1))
 
     kernel = KernelSource(name, "column_sum", code, tuple(params), shape, PACKED_ALIGNMENT if vec > 1 else 4)
     return single(kernel)
