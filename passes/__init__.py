@@ -1,16 +1,13 @@
-"""The pass manager and every pass, one module per pass or pass family."""
+"""The pass manager and every pass, one module per pass or pass family.
 
-import importlib
-import pkgutil
-
-_loaded = False
+Passes are registered by name with their module (`manager.PASS_MODULES`); a pipeline imports the
+module of a pass the first time it names it.
+"""
 
 
 def load_all() -> None:
-    """Import every pass module so each registers its passes."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    """Import the module of every registered pass, as listing the passes with their summaries needs."""
+    from .manager import pass_class, pass_names
+
+    for name in pass_names():
+        pass_class(name)

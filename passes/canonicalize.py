@@ -219,6 +219,7 @@ _EXACT_UNARY = {name: FLOAT64_UNARY[name] for name in ("graph.neg", "graph.abs",
 _EXACT_ARITH = {name: FLOAT64_ARITH[name] for name in ("graph.add", "graph.sub", "graph.mul", "graph.div")}
 _EXACT_COMPARE = FLOAT64_COMPARE
 _F32 = struct.Struct("<f")
+_F32_BITS = struct.Struct("<I")
 
 
 def _swaps_last_two(transpose: Operation) -> bool:
@@ -279,6 +280,19 @@ def _exact_f32_fold(name: str, scalars: list[Any]) -> Any:
     return rounded if math.isfinite(rounded) else None
 
 
+def _exact_bf16_cast(scalar: Any) -> float | None:
+    """ml_dtypes' bfloat16 of a float32 scalar (to nearest, ties to even; overflow to inf), in pure Python,
+    so folding a bf16 model's casts imports neither numpy nor ml_dtypes; None for NaN or a value beyond f32."""
+    try:
+        bits = _F32_BITS.unpack(_F32.pack(float(scalar)))[0]
+    except (OverflowError, TypeError):
+        return None
+    if (bits & 0x7FFFFFFF) > 0x7F800000:  # NaN: its payload is numpy's to keep
+        return None
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return _F32.unpack(_F32_BITS.pack(bits))[0]
+
+
 #: Integer division and power round differently across backends; those fold for floats only.
 _FLOAT_ONLY = frozenset({"graph.div", "graph.pow"})
 #: Ops whose fold computes the result from the operands' scalars: the elementwise ops but
@@ -317,6 +331,10 @@ class FoldSplatConstants(RewritePattern):
             return scalars[0]
         if in_dtype == "f32" and out_dtype in ("f32", "i1") and op.name != "graph.cast":
             exact = _exact_f32_fold(op.name, scalars)
+            if exact is not None:
+                return exact
+        if op.name == "graph.cast" and in_dtype == "f32" and out_dtype == "bf16":
+            exact = _exact_bf16_cast(scalars[0])
             if exact is not None:
                 return exact
         import numpy as np

@@ -9,6 +9,7 @@ report to `unit.out`.
 
 from __future__ import annotations
 
+import importlib
 import io
 import sys
 import time
@@ -146,7 +147,42 @@ class DumpPass(Pass):
         raise NotImplementedError
 
 
+#: The passes whose modules are imported, by name (each module registers its passes with `register_pass`).
 PASSES: dict[str, type[Pass]] = {}
+
+#: Every pass a pipeline may name, with the module that defines it (relative to `sexpgpu.passes`, or
+#: absolute for a target's pass registered with `register_pass_module`). The registry is lazy, as MLIR
+#: registers a pass by name with a constructor: reading a pipeline imports only the modules of the passes
+#: it names, the first time it names them, so `check`'s pipeline imports neither the lowering passes nor
+#: what they need (numpy, the patterns, a target's renderer). `test_pass_registry` keeps this table and
+#: the modules' `register_pass` in step.
+PASS_MODULES: dict[str, str] = {
+    "accumulate": ".variants",
+    "autodiff": ".autodiff",
+    "build-updates": ".build_updates",
+    "canonicalize": ".canonicalize",
+    "cse": ".cse",
+    "dce": ".dce",
+    "diagnose": ".variants",
+    "evaluate": ".evaluate",
+    "explain": ".explain",
+    "flatten-updates": ".flat_updates",
+    "fold-constants": ".fold_constants",
+    "fuse": ".fuse",
+    "insert-casts": ".insert_casts",
+    "ir-json": ".ir_json",
+    "lower-cpu": ".lower_cpu",
+    "macro-expand": ".macro_expand",
+    "match-patterns": ".match_patterns",
+    "plan-buffers": ".plan_buffers",
+    "plan-memory": ".plan_memory",
+    "print-values": ".print_values",
+    "read": ".read",
+    "scale-gradients": ".scale_gradients",
+    "stack": ".variants",
+    "stack-variants": ".variants",
+    "verify": ".verify",
+}  # fmt: skip
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
@@ -155,6 +191,29 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
         raise ValueError(f"pass {cls.name} registered twice")
     PASSES[cls.name] = cls
     return cls
+
+
+def register_pass_module(name: str, module: str) -> None:
+    """Make pass `name` available to pipelines, defined by `module` (absolute), imported on first use:
+    how a target outside `passes/` adds its lowering passes (`sexpgpu.targets`) without importing them."""
+    known = PASS_MODULES.setdefault(name, module)
+    if known != module:
+        raise ValueError(f"pass {name} registered twice ({known} and {module})")
+
+
+def pass_names() -> list[str]:
+    """The name of every pass a pipeline may name, imported or not, sorted."""
+    return sorted(PASS_MODULES.keys() | PASSES.keys())
+
+
+def pass_class(name: str) -> type[Pass]:
+    """The pass registered as `name`, importing its module on first use; unknown names are a UsageError."""
+    if name not in PASSES and name in PASS_MODULES:
+        importlib.import_module(PASS_MODULES[name], __package__)
+    if name not in PASSES:
+        hint = nearest(name, pass_names())
+        raise UsageError(f"unknown pass '{name}'" + (f"; did you mean '{hint}'?" if hint else ""))
+    return PASSES[name]
 
 
 def _split_top(text: str, sep: str) -> list[str]:
@@ -191,17 +250,11 @@ def _convert_option(pass_cls: type[Pass], attr: attrs.Attribute, raw: str) -> An
 
 def parse_pipeline(text: str) -> list[Pass]:
     """`'canonicalize,cse,insert-casts{policy=bf16}'` → pass instances; unknown names are a UsageError."""
-    from . import load_all
-
-    load_all()
     pipeline = []
     for item in _split_top(text, ","):
         name, _, rest = item.partition("{")
         name = name.strip()
-        if name not in PASSES:
-            hint = nearest(name, PASSES)
-            raise UsageError(f"unknown pass '{name}'" + (f"; did you mean '{hint}'?" if hint else ""))
-        cls = PASSES[name]
+        cls = pass_class(name)
         options: dict[str, Any] = {}
         if rest:
             if not rest.endswith("}"):

@@ -16,6 +16,7 @@ target attributes (a target answers what the lowering may assume of it).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -114,7 +115,11 @@ class KernelTarget(ABC):
         of each scratch buffer."""
 
 
+#: The targets whose modules are imported, by name.
 TARGETS: dict[str, KernelTarget] = {}
+#: Targets registered by the module that defines them (`register_target_module`), imported when a pass
+#: first asks for one: reading a pipeline does not import a target's renderer.
+TARGET_MODULES: dict[str, str] = {}
 
 
 def register_target(target: KernelTarget) -> KernelTarget:
@@ -125,10 +130,21 @@ def register_target(target: KernelTarget) -> KernelTarget:
     return target
 
 
+def register_target_module(name: str, module: str) -> None:
+    """Make target `name` available, defined (and registered with `register_target`) by `module`, which is
+    imported the first time a pass asks for the target."""
+    known = TARGET_MODULES.setdefault(name, module)
+    if known != module:
+        raise ValueError(f"kernel target {name} registered twice ({known} and {module})")
+
+
 def kernel_target(name: str) -> KernelTarget:
     """The registered target `name`; a usage error naming the registered ones otherwise."""
+    if name not in TARGETS and name in TARGET_MODULES:
+        importlib.import_module(TARGET_MODULES[name])
     target = TARGETS.get(name)
     if target is None:
-        known = ", ".join(sorted(TARGETS)) or "none (sexpgpu.targets.register_targets() registers the built-in ones)"
+        known = ", ".join(sorted(TARGETS.keys() | TARGET_MODULES.keys())) or (
+            "none (sexpgpu.targets.register_targets() registers the built-in ones)")
         raise UsageError(f"no kernel target '{name}'; registered: {known}")
     return target

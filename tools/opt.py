@@ -75,8 +75,8 @@ def list_passes() -> str:
     from ..passes.manager import PASSES
     from ..targets import register_targets
 
-    load_all()
     register_targets()
+    load_all()
     width = max((len(n) for n in PASSES), default=0)
     return "".join(f"  {name:<{width}}  {PASSES[name].summary}\n" for name in sorted(PASSES))
 
@@ -252,15 +252,14 @@ class Opt:
         return status
 
     def check_pass_names(self) -> None:
-        from ..passes import load_all
-        from ..passes.manager import PASSES, parse_pipeline
+        from ..passes.manager import parse_pipeline, pass_names
         from ..targets import register_targets
 
-        load_all()
         register_targets()
         parse_pipeline(self.args.pipeline)  # a usage error now rather than once per chunk
+        known = set(pass_names())
         for name in [*self.args.print_ir_after, *self.args.print_ir_before]:
-            if name not in PASSES:
+            if name not in known:
                 raise UsageError(f"unknown pass '{name}' in --print-ir-after/--print-ir-before")
 
     def write(self, text: str) -> None:
