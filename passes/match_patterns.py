@@ -44,6 +44,7 @@ from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
 from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
 from .manager import CompilationUnit, Pass, register_pass
+from .patterns.attention import AttentionPlan, find_attention, plan_attention
 from .patterns.domain import is_float_cast
 from .patterns.families import Match
 from .patterns.forms import kernel_form
@@ -56,7 +57,7 @@ ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
 COLUMN_OPERANDS = frozenset({"weight", "bias", "dweight", "dbias"})
 PER_ROW_OPERANDS = frozenset({"mean", "rstd", "lse", "losses", "targets"})
 #: Report groups of the families.
-GROUPS = {"row": "row programs", "cross_entropy": "cross-entropy tail"}
+GROUPS = {"row": "row programs", "cross_entropy": "cross-entropy tail", "attention": "attention"}
 
 
 @register_pass
@@ -80,17 +81,29 @@ class MatchPatterns(Pass):
         cache = MatchCache()
         for func in graph_funcs(module):
             block = func.regions[0].blocks[0]
-            plans = plan_matches(block, find_matches(block, cache), target)
+            matches = find_matches(block, cache)
+            order = {op: i for i, op in enumerate(block.ops)}
+            # A target without attention kernels leaves attention to its softmax row program and `fuse`.
+            attention = find_attention(matches, order) if target.attention_head_dims else []
+            inner = {a.inner for a in attention}
+            others = {op for m in matches if m not in inner for op in m.slice}
+            attention_plans = plan_attention(block, attention, others, target)
+            # A taken attention stands for its softmax and softmax backward: they are not row programs there.
+            subsumed = {plan.match.inner for plan in attention_plans if plan.taken}
+            plans = plan_matches(block, [m for m in matches if m not in subsumed], target)
             name = func.attributes["sym_name"]
-            if not plans:
+            if not plans and not attention_plans:
                 facts[name] = {}
                 continue
             replace = ReplaceRegions(block, plans, kernels, target)
             GreedyRewriteDriver([replace]).rewrite_block(block)
             facts[name] = pattern_facts(plans, replace.symbols)
+            attention_facts(facts[name], attention_plans, {})
             if self.remarks:
-                for plan in plans:
-                    print(remark(name, plan, replace.symbols.get(plan)), file=sys.stderr)
+                lines = [(plan.match.slice[0], remark(name, plan, replace.symbols.get(plan))) for plan in plans]
+                lines += [(plan.match.slice[0], attention_remark(name, plan, [])) for plan in attention_plans]
+                for _, line in sorted(lines, key=lambda item: order.get(item[0], -1)):
+                    print(line, file=sys.stderr)
 
 
 def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
@@ -103,6 +116,34 @@ def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
         kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
         return f"{where}remark: {what}: kernel {kernels}{forms}{declined}"
     return f"{where}remark: {what}: fell back: {plan.reason}{declined}"
+
+
+def attention_remark(graph: str, plan: AttentionPlan, symbols: list[str]) -> str:
+    """A remark line of an attention region: its kernels and forms, or `fell back` and why."""
+    where = f"{plan.loc}: " if plan.loc is not None else ""
+    what = f"attention {plan.match.direction} at {plan.path or '(no path)'} in @{graph}"
+    if plan.taken:
+        forms = "".join(f"; as {form}" for form in plan.match.forms) if plan.match.direction == "forward" else ""
+        return f"{where}remark: {what}: kernel {', '.join(f'@{s}' for s in symbols)}{forms}"
+    return f"{where}remark: {what}: fell back: {plan.reason}"
+
+
+def attention_facts(facts: dict[str, dict[str, Any]], plans: list[AttentionPlan],
+                    symbols: dict[AttentionPlan, list[str]]) -> None:
+    """The attention regions' facts, as `pattern_facts` records a family's (forms on the forward)."""
+    for plan in plans:
+        match = plan.match
+        entry = facts.setdefault(match.family, {"group": GROUPS["attention"], "direction": match.direction,
+                                                "kernels": [], "fired": 0, "paths": [], "as": [], "fell_back": []})
+        if plan.taken:
+            entry["kernels"].extend(s for s in symbols.get(plan, []) if s not in entry["kernels"])
+            entry["fired"] += 1
+            entry["paths"].append(plan.path)
+            if match.direction == "forward":
+                entry["as"].extend(form for form in match.forms if form not in entry["as"])
+        else:
+            loc = plan.loc.short() if plan.loc is not None else None
+            entry["fell_back"].append({"path": plan.path, "reason": plan.reason, "loc": loc})
 
 
 def _forward_key(family: str) -> str:

@@ -93,6 +93,9 @@ class KernelTarget(ABC):
     float_storage: tuple[str, ...]
     #: Integer dtypes a pattern kernel's index operands (a loss's targets) may be stored in.
     index_storage: tuple[str, ...]
+    #: Head dimensions the target's fused attention kernels take; none when it has no attention kernel (then
+    #: `match-patterns` leaves attention to its softmax row program and `fuse`).
+    attention_head_dims: tuple[int, ...] = ()
 
     @abstractmethod
     def pattern_operands(self, kernel: PatternKernel) -> tuple[list[str], list[str]]:

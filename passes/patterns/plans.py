@@ -186,7 +186,7 @@ def plan_matches(block: Block, matches: list[Match], target: KernelTarget) -> li
         plan.reason = _static_reason(plan.match, target)
     while True:
         removed = {op for plan in plans if plan.taken for op in plan.match.slice}
-        doomed = _doomed(block, removed)
+        doomed = doomed_ops(block, removed)
         changed = False
         for plan in plans:
             if not plan.taken:
@@ -258,7 +258,7 @@ def storage(value: Value, target: KernelTarget) -> Value:
     return value
 
 
-def _doomed(block: Block, removed: set[Operation]) -> set[Operation]:
+def doomed_ops(block: Block, removed: set[Operation]) -> set[Operation]:
     """The ops replaced, and the pure ops that only they (transitively) read."""
     doomed = set(removed)
     for op in block.reversed_ops():
