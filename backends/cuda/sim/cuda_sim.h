@@ -1251,6 +1251,102 @@ SEXPGPU_SIM_REDUCE(__reduce_or_sync, unsigned, sexpgpu_sim::kReduceOr)
 SEXPGPU_SIM_REDUCE(__reduce_xor_sync, unsigned, sexpgpu_sim::kReduceXor)
 #undef SEXPGPU_SIM_REDUCE
 
+// ---------------------------------------------------------------------------
+// nvcuda::wmma (<mma.h>): warp-wide 16x16x16 matrix products with bf16 inputs
+// and f32 accumulators, the subset the kernels use (fill_fragment,
+// load_matrix_sync of matrix_a and matrix_b, store_matrix_sync of an
+// accumulator, mma_sync). As on the device, a fragment is held by the warp:
+// each lane holds 8 of its 256 elements, and every operation is computed by
+// the warp's lanes, each doing its own elements. Which elements a lane holds
+// is cuda-sim's choice (lane l holds elements 8l to 8l+7 in row-major order):
+// CUDA leaves it unspecified, so a kernel must not depend on it. mma_sync
+// stages both inputs for the warp and each lane adds, for each of its
+// elements, the 16 products to the accumulator's value in order of k, each
+// sum rounded to f32 (the products of bf16 inputs are exact in f32); the
+// tensor cores add in an order of their own, so the device's results may
+// differ from these in the last bits of f32.
+// ---------------------------------------------------------------------------
+namespace sexpgpu_sim {
+constexpr int kFragmentSide = 16;
+constexpr int kFragmentElements = kFragmentSide * kFragmentSide / 32;
+// Each warp's inputs of the mma_sync in progress, for all its lanes to read.
+inline thread_local float mma_stage[kMaxWarps][2][kFragmentSide * kFragmentSide];
+inline unsigned fragment_index(unsigned lane, int i) { return lane * kFragmentElements + static_cast<unsigned>(i); }
+}  // namespace sexpgpu_sim
+
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "cuda-sim emulates wmma's 16x16x16 shape only");
+    static_assert(std::is_same<Use, accumulator>::value ? std::is_same<T, float>::value
+                                                        : std::is_same<T, __nv_bfloat16>::value,
+                  "cuda-sim emulates bf16 matrix_a and matrix_b fragments and f32 accumulators");
+    enum { num_elements = sexpgpu_sim::kFragmentElements };
+    T x[num_elements];
+};
+
+template <class Use, class T, class Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, T value) {
+    for (int i = 0; i < f.num_elements; ++i) f.x[i] = value;
+}
+
+// Element (row, col) of a matrix_a (row x k) or matrix_b (k x col) fragment is at row * ldm + col in a
+// row_major one and at col * ldm + row in a col_major one.
+template <class Use, class Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, const __nv_bfloat16* p,
+                             unsigned ldm) {
+    static_assert(!std::is_same<Use, accumulator>::value, "cuda-sim loads matrix_a and matrix_b fragments only");
+    __syncwarp();
+    unsigned lane = sexpgpu_sim::g.current->tid & 31;
+    for (int i = 0; i < f.num_elements; ++i) {
+        unsigned e = sexpgpu_sim::fragment_index(lane, i), row = e / 16, col = e % 16;
+        f.x[i] = std::is_same<Layout, row_major>::value ? p[row * ldm + col] : p[col * ldm + row];
+    }
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout) {
+    __syncwarp();
+    unsigned lane = sexpgpu_sim::g.current->tid & 31;
+    for (int i = 0; i < f.num_elements; ++i) {
+        unsigned e = sexpgpu_sim::fragment_index(lane, i), row = e / 16, col = e % 16;
+        (layout == mem_row_major ? p[row * ldm + col] : p[col * ldm + row]) = f.x[i];
+    }
+}
+
+template <class LayoutA, class LayoutB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
+                     const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LayoutA>& a,
+                     const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LayoutB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+    unsigned tid = sexpgpu_sim::g.current->tid, lane = tid & 31;
+    float (&stage)[2][256] = sexpgpu_sim::mma_stage[tid >> 5];
+    __syncwarp();  // every lane is done reading the last product's inputs
+    for (int i = 0; i < a.num_elements; ++i) {
+        stage[0][sexpgpu_sim::fragment_index(lane, i)] = static_cast<float>(a.x[i]);
+        stage[1][sexpgpu_sim::fragment_index(lane, i)] = static_cast<float>(b.x[i]);
+    }
+    __syncwarp();
+    float out[sexpgpu_sim::kFragmentElements];
+    for (int i = 0; i < c.num_elements; ++i) {
+        unsigned e = sexpgpu_sim::fragment_index(lane, i), row = e / 16, col = e % 16;
+        float sum = c.x[i];
+        for (unsigned k = 0; k < 16; ++k) sum += stage[0][row * 16 + k] * stage[1][k * 16 + col];
+        out[i] = sum;
+    }
+    for (int i = 0; i < d.num_elements; ++i) d.x[i] = out[i];
+}
+}  // namespace wmma
+}  // namespace nvcuda
+
 __attribute__((noreturn)) inline void __trap(SEXPGPU_SIM_CALL_SITE) {
     char who[64];
     sexpgpu_sim::describe_thread(who, sizeof who, *sexpgpu_sim::g.current);
