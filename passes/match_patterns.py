@@ -44,13 +44,14 @@ from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
 from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
 from .manager import CompilationUnit, Pass, register_pass
+from .patterns import attention as attention_family
 from .patterns.attention import AttentionPlan, find_attention, plan_attention
 from .patterns.domain import is_float_cast
 from .patterns.families import Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
 from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
-from .targets import KernelTarget, kernel_target
+from .targets import KernelTarget, PatternKernel, PatternLaunches, kernel_target
 
 #: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
 ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
@@ -95,13 +96,14 @@ class MatchPatterns(Pass):
             if not plans and not attention_plans:
                 facts[name] = {}
                 continue
-            replace = ReplaceRegions(block, plans, kernels, target)
+            replace = ReplaceRegions(block, plans, kernels, target, attention_plans)
             GreedyRewriteDriver([replace]).rewrite_block(block)
             facts[name] = pattern_facts(plans, replace.symbols)
-            attention_facts(facts[name], attention_plans, {})
+            attention_facts(facts[name], attention_plans, replace.symbols)
             if self.remarks:
                 lines = [(plan.match.slice[0], remark(name, plan, replace.symbols.get(plan))) for plan in plans]
-                lines += [(plan.match.slice[0], attention_remark(name, plan, [])) for plan in attention_plans]
+                lines += [(plan.match.slice[0], attention_remark(name, plan, replace.symbols.get(plan, [])))
+                          for plan in attention_plans]
                 for _, line in sorted(lines, key=lambda item: order.get(item[0], -1)):
                     print(line, file=sys.stderr)
 
@@ -123,7 +125,7 @@ def attention_remark(graph: str, plan: AttentionPlan, symbols: list[str]) -> str
     where = f"{plan.loc}: " if plan.loc is not None else ""
     what = f"attention {plan.match.direction} at {plan.path or '(no path)'} in @{graph}"
     if plan.taken:
-        forms = "".join(f"; as {form}" for form in plan.match.forms) if plan.match.direction == "forward" else ""
+        forms = f"; as {', '.join(plan.match.forms)}" if plan.match.direction == "forward" else ""
         return f"{where}remark: {what}: kernel {', '.join(f'@{s}' for s in symbols)}{forms}"
     return f"{where}remark: {what}: fell back: {plan.reason}"
 
@@ -139,8 +141,9 @@ def attention_facts(facts: dict[str, dict[str, Any]], plans: list[AttentionPlan]
             entry["kernels"].extend(s for s in symbols.get(plan, []) if s not in entry["kernels"])
             entry["fired"] += 1
             entry["paths"].append(plan.path)
-            if match.direction == "forward":
-                entry["as"].extend(form for form in match.forms if form not in entry["as"])
+            form = ", ".join(match.forms)
+            if match.direction == "forward" and form not in entry["as"]:
+                entry["as"].append(form)
         else:
             loc = plan.loc.short() if plan.loc is not None else None
             entry["fell_back"].append({"path": plan.path, "reason": plan.reason, "loc": loc})
@@ -229,16 +232,20 @@ def _key(attributes: dict[str, Any]) -> str:
 class ReplaceRegions(RewritePattern):
     """When the driver reaches the first op of a taken plan's slice, its kernel launch replaces the slice."""
 
-    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable, target: KernelTarget) -> None:
+    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable, target: KernelTarget,
+                 attention: list[AttentionPlan] = ()) -> None:
         self.target = target
-        self.pending = {plan.match.slice[0]: plan for plan in plans if plan.taken}
+        self.pending: dict[Operation, Plan | AttentionPlan] = {
+            plan.match.slice[0]: plan for plan in [*plans, *attention] if plan.taken}
         #: Block order, for placing launches: ops inserted before an op take places just before it.
         self.position: dict[Operation, float] = {op: float(i) for i, op in enumerate(block.ops)}
         self.kernels = kernels
         #: The kernel symbols each taken plan launches, in order.
-        self.symbols: dict[Plan, list[str]] = {}
+        self.symbols: dict[Plan | AttentionPlan, list[str]] = {}
         #: Each replaced match's kernel outputs by operand name (a backward reads its forward's).
-        self.outputs: dict[Match, dict[str, Value]] = {}
+        self.outputs: dict[Match | attention_family.AttentionMatch, dict[str, Value]] = {}
+        #: Where each replaced attention forward's kernel wrote O (its backward reads it there).
+        self.o_placements: dict[attention_family.AttentionMatch, list[str]] = {}
         #: The values replaced so far and what replaced them (matches found before rewriting hold the old ones).
         self.replaced: dict[Value, Value] = {}
         #: The reshapes made into kernel layouts, by value and shape.
@@ -278,8 +285,31 @@ class ReplaceRegions(RewritePattern):
         plan = self.pending.pop(op, None)
         if plan is None:
             return False
-        _Launch(self, plan, rewriter).build()
+        if isinstance(plan, AttentionPlan):
+            _AttentionLaunch(self, plan, rewriter).build()
+        else:
+            _Launch(self, plan, rewriter).build()
         return True
+
+    def launch_steps(self, rewriter: PatternRewriter, stem: str, base: dict[str, Any], launches: PatternLaunches,
+                     values: dict[str, Value], types: dict[str, TensorType], path: str, loc,
+                     anchor: Operation) -> list[str]:
+        """One launch per step of a pattern kernel's program, each a kernel symbol of its own: a step's results
+        (scratch included) are values the next step reads, so plan-buffers places them like any other. Returns
+        the symbols; `values` gains the results by operand name."""
+        symbols = []
+        for index, step in enumerate(launches.steps):
+            reads, writes = list(step.reads), list(step.writes)
+            attributes = {**base, "step": index, "operands": [*reads, *writes],
+                          "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
+                          "grid": list(step.grid), "block": list(step.block), "shared": step.shared}
+            suffix = f"_{step.name}" if step.name else ""
+            symbol = self.kernels.symbol(stem + suffix, attributes, loc)
+            symbols.append(symbol)
+            launch = self.create(rewriter, "kern.launch", [values[n] for n in reads],
+                                 {"kernel": SymbolRef(symbol), "path": path}, [types[n] for n in writes], loc, anchor)
+            values.update(zip(writes, launch.results))
+        return symbols
 
 
 @define(eq=False)
@@ -313,7 +343,7 @@ class _Launch:
         dtypes = {name: value.type.dtype for name, value in sources.items()} | {n: d for n, (d, _) in outputs.items()}
         types = {name: self.layout(name, sources[name].type.dtype) for name in input_names}
         types |= {name: self.layout(name, outputs[name][0]) for name in output_names}
-        launches = target.pattern_launches(kernel, dtypes, rows)
+        launches = target.pattern_launches(kernel, dtypes, {"rows": rows})
         # Scratch (a backward's partial column sums, a loss's partial sums) is f32 the program's steps pass on.
         types |= {name: TensorType((nbytes // 4,), "f32") for name, nbytes in launches.scratch.items()}
         base = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
@@ -321,21 +351,8 @@ class _Launch:
         data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
         stem = f"{plan.family}_{data}_{cols}{_variant(kernel.options)}"
         values = {name: self.reshaped(sources[name], types[name], anchor) for name in input_names}
-        symbols = self.owner.symbols[plan] = []
-        # One launch per step of the template's program, each a kernel symbol of its own: a step's results
-        # (scratch included) are values the next step reads, so plan-buffers places them like any other.
-        for index, step in enumerate(launches.steps):
-            reads, writes = list(step.reads), list(step.writes)
-            attributes = {**base, "step": index, "operands": [*reads, *writes],
-                          "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
-                          "grid": list(step.grid), "block": list(step.block), "shared": step.shared}
-            suffix = f"_{step.name}" if step.name else ""
-            symbol = self.owner.kernels.symbol(stem + suffix, attributes, match.slice[0].loc)
-            symbols.append(symbol)
-            launch = self.owner.create(self.rewriter, "kern.launch", [values[n] for n in reads],
-                                       {"kernel": SymbolRef(symbol), "path": plan.path},
-                                       [types[n] for n in writes], match.slice[0].loc, anchor)
-            values.update(zip(writes, launch.results))
+        self.owner.symbols[plan] = self.owner.launch_steps(self.rewriter, stem, base, launches, values, types,
+                                                           plan.path, match.slice[0].loc, anchor)
         copies = self.recompute(plan.recomputed, anchor)
         for value in plan.recomputed:
             self.rewriter.replace_all_uses_with(value, copies[value])
@@ -445,6 +462,113 @@ class _Launch:
                                     anchor.loc, anchor)
             new = mul.result
         return new
+
+
+@define(eq=False)
+class _AttentionLaunch:
+    """Builds one attention plan's launches: Q, K, V (and dO) read where the graph holds them, O written in
+    merged heads when the output projection reads it so, the gradients in heads; the graph's values replaced by
+    views of the results."""
+
+    owner: ReplaceRegions
+    plan: AttentionPlan
+    rewriter: PatternRewriter
+
+    def build(self) -> None:
+        plan, match = self.plan, self.plan.match
+        forward = match.forward or match
+        owner = self.owner
+        if match.forward is not None and match.forward not in owner.outputs:
+            plan.reason = "its forward's kernel had no place to launch"
+            return
+        roles = {**forward.operands, **match.operands}
+        sources = {role: owner.current(operand.root) for role, operand in roles.items()}
+        anchor = owner.anchor(match, list(sources.values()))
+        if anchor is None:
+            plan.reason = "its operands are defined after a use of its results"
+            return
+        dtype = sources["q"].type.dtype
+        placements = {role: attention_family.placement(operand.view, match.batch) for role, operand in roles.items()}
+        merged = attention_family.merged_reader(forward) if match.direction == "forward" else None
+        placements["o"] = owner.o_placements.get(forward) or attention_family.contiguous(match, merged=merged is not None)
+        seq, head_dim, batch = match.seq, match.head_dim, match.batch
+        heads_type = TensorType((*batch, seq, head_dim), dtype)
+        o_type = TensorType(merged.result.type.shape, dtype) if merged is not None else heads_type
+        if match.direction == "backward":
+            o_type = owner.outputs[forward]["o"].type
+        stat_type = TensorType((*batch, seq), "f32")
+        types = {role: value.type for role, value in sources.items()}
+        types |= {"o": o_type, "lse": stat_type, "delta": stat_type}
+        values = dict(sources)
+        if match.direction == "backward":
+            for role in ("dq", "dk", "dv"):
+                placements[role] = attention_family.contiguous(match)
+                types[role] = heads_type
+            values |= {name: owner.outputs[forward][name] for name in ("o", "lse")}
+        kernel = PatternKernel("attention", match.direction, head_dim,
+                               {"causal": match.causal, "scale": float(match.scale), "placements": placements})
+        target = owner.target
+        inputs, outputs = target.pattern_operands(kernel)
+        dtypes = {name: types[name].dtype for name in (*inputs, *outputs)}
+        counts = attention_family.sizes(match)
+        launches = target.pattern_launches(kernel, dtypes, counts)
+        base = {"kind": "attention", **kernel.attributes(), "sizes": counts, "form": ", ".join(forward.forms),
+                "dtypes": dtypes, "path": plan.path}
+        stem = f"attention_{match.direction}_{dtype}_d{head_dim}"
+        loc = match.slice[0].loc
+        owner.symbols[plan] = owner.launch_steps(self.rewriter, stem, base, launches, values, types, plan.path, loc,
+                                                 anchor)
+        owner.outputs[match] = {name: values[name] for name in outputs}
+        if match.direction == "forward":
+            owner.o_placements[match] = placements["o"]
+            result = self.scaled(values["o"], attention_family.output_factor(match, "o"), anchor)
+            self.replace_output(result, match.outputs["o"][0], merged, anchor)
+            return
+        for role in ("dq", "dk", "dv"):
+            graph_value, transposed = match.outputs[role]
+            result = values[role]
+            if transposed:
+                result = self.op("graph.transpose", [result], {"perm": _swap_last(result.type.rank)},
+                                 graph_value.type.with_dtype(dtype), anchor)
+            result = self.scaled(result, attention_family.output_factor(match, role), anchor)
+            self.replace(graph_value, self.cast(result, graph_value.type.dtype, anchor))
+
+    def replace_output(self, result: Value, o: Value, merged: Operation | None, anchor: Operation) -> None:
+        """The graph's O (and its merged-heads transpose) replaced by the kernel's output."""
+        if merged is None:
+            self.replace(o, self.cast(result, o.type.dtype, anchor))
+            return
+        self.replace(merged.result, self.cast(result, merged.result.type.dtype, anchor))
+        if any(user is not merged for user in o.users()):
+            heads = self.op("graph.transpose", [result], {"perm": list(attention_family.MERGE_PERM)},
+                            o.type.with_dtype(result.type.dtype), anchor)
+            self.replace(o, self.cast(heads, o.type.dtype, anchor))
+
+    def op(self, name: str, operands: list[Value], attributes: dict[str, Any], result: TensorType,
+           anchor: Operation) -> Value:
+        stamp = {"path": self.plan.path} if self.plan.path else {}
+        return self.owner.create(self.rewriter, name, operands, {**stamp, **attributes}, [result], anchor.loc,
+                                 anchor).result
+
+    def scaled(self, value: Value, factor: float, anchor: Operation) -> Value:
+        """`value` times `factor` (a splat constant on the way back to the graph's scaling; none for 1)."""
+        if factor == 1.0:
+            return value
+        const = self.op("graph.const", [], {"value": factor}, value.type, anchor)
+        return self.op("graph.mul", [value, const], {}, value.type, anchor)
+
+    def cast(self, value: Value, dtype: str, anchor: Operation) -> Value:
+        if value.type.dtype == dtype:
+            return value
+        return self.op("graph.cast", [value], {"dtype": dtype}, value.type.with_dtype(dtype), anchor)
+
+    def replace(self, old: Value, new: Value) -> None:
+        self.rewriter.replace_all_uses_with(old, new)
+        self.owner.replaced[old] = new
+
+
+def _swap_last(rank: int) -> list[int]:
+    return [*range(rank - 2), rank - 1, rank - 2]
 
 
 def _casts_reading(reader: Operation) -> list[Operation]:

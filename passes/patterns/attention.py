@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 from attrs import define, field, frozen
@@ -241,6 +240,8 @@ class AttentionMatch:
     #: The op applying the mask (an add or a `where`), and the value it gives masked scores on the trials.
     mask_op: Operation | None = None
     mask_value: float | None = None
+    #: The ops computing the mask from constants (evaluated with the slice, not part of it: layers share them).
+    constants: list[Operation] = field(factory=list)
 
     @property
     def family(self) -> str:
@@ -288,11 +289,11 @@ def match_attention(forward: Match, block_order: dict[Operation, int]) -> Attent
         return None
     k_view = Operand(b.value, b.view.transposed(), b.scale, b.ops)
     operands = {"q": a, "k": k_view, "v": v}
-    core = sorted({scores.op, *chain_ops, *mask_ops, *forward.slice, *cast_ops, product},
-                  key=block_order.__getitem__)
+    core = sorted({scores.op, *chain_ops, *forward.slice, *cast_ops, product}, key=block_order.__getitem__)
     match = AttentionMatch("forward", forward, operands, {"o": (product.result, False)}, core,
                            scale=score_scale * a.scale * b.scale, causal=mask_op is not None, head_dim=head_dim,
-                           seq=seq, batch=batch, probabilities=ys[0], mask_op=mask_op)
+                           seq=seq, batch=batch, probabilities=ys[0], mask_op=mask_op,
+                           constants=sorted(mask_ops, key=lambda op: block_order.get(op, -1)))
     match.refusal = forward.refusal or _confirm_forward(match, scores, score_scale)
     match.forms = _forms(match, score_scale, a, b)
     return match
@@ -502,7 +503,7 @@ def _confirm_forward(match: AttentionMatch, scores: Value, score_scale: float) -
         raw = a @ b if scaled is None else scaled
         env[scores] = raw
         try:
-            env = evaluator.run(match.slice, env)
+            env = evaluator.run([*match.constants, *match.slice], env)
         except _Unevaluable as error:
             return f"its region holds {error}, which the attention formula has no meaning for"
         got = env[match.outputs["o"][0]]
@@ -568,7 +569,7 @@ def _forms(match: AttentionMatch, score_scale: float, a: Operand, b: Operand) ->
     elif not match.causal:
         mask = "with a mask that masks nothing"
     else:
-        built = "a comparison of iotas" if any(op.name == "graph.iota" for op in match.slice) else "constants"
+        built = "a comparison of iotas" if any(op.name == "graph.iota" for op in match.constants) else "constants"
         value = match.mask_value if match.mask_value is not None else -math.inf
         masked = "-inf" if value == -math.inf else f"{value:g}"
         mask = (f"causal mask as a where of the scores and {masked} by {built}" if mask_op.name == "graph.where"
@@ -616,8 +617,8 @@ def match_attention_backward(forward: AttentionMatch, backward: Match,
             break
     else:
         return None
-    extra = {o.op for o in (*(product.operands[0] for product in contractions),) if o.op is not None
-             and o.op.name == "graph.transpose" and o.op.operands[0] in (grads | probabilities)}
+    extra = {op for product in contractions for operand in product.operands
+             for op in _views_of(operand, grads | probabilities)}
     core = sorted({dp.op, *dp_cast, *backward.slice, *chain_ops, *contractions, *extra}, key=block_order.__getitem__)
     match = AttentionMatch("backward", backward, {"do": do}, outputs, core, scale=forward.scale,
                            causal=forward.causal, head_dim=head_dim, seq=seq, batch=batch, forward=forward,
@@ -626,6 +627,12 @@ def match_attention_backward(forward: AttentionMatch, backward: Match,
     if match.refusal is None:
         match.refusal = _confirm_backward(match, dp.op)
     return match
+
+
+def _views_of(value: Value, sources: set[Value]) -> list[Operation]:
+    """The transposes and casts between one of `sources` and `value` (empty when `value` is no view of one)."""
+    found = follow(value)
+    return found.ops if found.root in sources else []
 
 
 def _gradient_contractions(forward: AttentionMatch, grads: set[Value], probabilities: set[Value],
@@ -655,10 +662,10 @@ def _gradient_contractions(forward: AttentionMatch, grads: set[Value], probabili
 
 
 def _transposed_of(value: Value, sources: set[Value]) -> bool:
-    op = value.op
-    return op is not None and op.name == "graph.transpose" and op.operands[0] in sources and \
-        list(op.attributes["perm"][-2:]) == [len(op.attributes["perm"]) - 1, len(op.attributes["perm"]) - 2] and \
-        list(op.attributes["perm"][:-2]) == list(range(len(op.attributes["perm"]) - 2))
+    """`value` is one of `sources` with its last two axes swapped (through float casts, views and splat factors:
+    the confirmation evaluates them)."""
+    found = follow(value)
+    return found.root in sources and found.view.same(StridedView.of(found.root).transposed())
 
 
 def _gradient_chain(dx: Value, memo: dict[Value, bool]) -> tuple[set[Value], list[Operation]]:
@@ -686,15 +693,17 @@ def _gradient_chain(dx: Value, memo: dict[Value, bool]) -> tuple[set[Value], lis
 
 
 def _contractions_reading(values: set[Value]) -> list[Operation]:
+    """The contractions reading one of `values`, directly or through float casts and transposes."""
     found: dict[Operation, None] = {}
-    for value in values:
+    frontier, seen = list(values), set(values)
+    while frontier:
+        value = frontier.pop()
         for user in value.users():
             if user.name == "graph.matmul":
                 found[user] = None
-            elif user.name == "graph.transpose":
-                for inner in user.result.users():
-                    if inner.name == "graph.matmul":
-                        found[inner] = None
+            elif (user.name == "graph.transpose" or is_float_cast(user)) and user.result not in seen:
+                seen.add(user.result)
+                frontier.append(user.result)
     return list(found)
 
 
@@ -731,7 +740,7 @@ def _confirm_backward(match: AttentionMatch, dp_product: Operation) -> str | Non
                 elif found.view.same(source.view.transposed()):
                     env[operand] = np.swapaxes(array, -1, -2)
     try:
-        env = evaluator.run(forward.slice, env)
+        env = evaluator.run([*forward.constants, *forward.slice], env)
         env = evaluator.run(match.slice, env)
     except (_Unevaluable, KeyError) as error:
         return f"its region holds {error}, which the attention formula has no meaning for"
@@ -745,16 +754,20 @@ def _confirm_backward(match: AttentionMatch, dp_product: Operation) -> str | Non
     return None
 
 
-def chain_scale(forward: AttentionMatch, role: str) -> float:
-    """The splat factor between a root and the contraction operand the graph's gradient is of: that gradient is
-    the kernel's (of the root) divided by it, as the graph's backward multiplies by it again."""
-    return {"dq": forward.operands["q"].scale, "dk": forward.operands["k"].scale, "dv": 1.0}[role]
+def output_factor(match: AttentionMatch, role: str) -> float:
+    """What the graph's value of an output is, as a multiple of the kernel's (which computes with the roots).
+
+    The kernel's O is `softmax(scale·q·kᵀ)·v` of the roots; the graph's is a multiple when V was scaled on its
+    way to the contraction. Its gradients are those of the roots for the root of dO; the graph's gradient of a
+    contraction operand `c·root` is the root's divided by c (the graph's backward multiplies by c again)."""
+    forward = match.forward or match
+    q, k, v = (forward.operands[role].scale for role in ("q", "k", "v"))
+    if role == "o":
+        return v
+    upstream = match.operands["do"].scale
+    return {"dq": v * upstream / q, "dk": v * upstream / k, "dv": upstream}[role]
 
 
-def describe(match: AttentionMatch) -> dict[str, Any]:
-    """The kernel options a match fixes (the launch's attributes besides its operands)."""
-    return {"direction": match.direction, "head_dim": match.head_dim, "causal": match.causal,
-            "scale": float(match.scale), "layout": match.layout}
 
 
 # --- finding and deciding -----------------------------------------------------------------------------------
@@ -836,6 +849,9 @@ def _static_reason(match: AttentionMatch, target: KernelTarget) -> str | None:
     dims = target.attention_head_dims
     if match.head_dim not in dims:
         return f"head dimension {match.head_dim} is not taken ({', '.join(str(d) for d in dims)})"
+    reason = unplaced(match)
+    if reason is not None:
+        return reason
     roles = match.forward.operands if match.forward is not None else match.operands
     operands = {**roles, **match.operands}
     dtypes = {role: storage(operand.root, target).type.dtype for role, operand in operands.items()}
@@ -848,21 +864,95 @@ def _static_reason(match: AttentionMatch, target: KernelTarget) -> str | None:
 
 
 def _exposure(match: AttentionMatch, doomed: set[Operation]) -> str | None:
-    """Why a value inside the region (the probabilities, the scores) is read by an op that stays, else None."""
+    """Why a value inside the region (the probabilities, the scores) is read by an op that stays, else None: an
+    observation (directly or through the statistics `diagnose` made of it) first."""
     inside = set(match.slice)
     outputs = match.output_values()
+    exposed = []
     for op in match.slice:
         if not op.results or op.result in outputs:
             continue
-        readers = [user for user in op.result.users() if user not in inside and user not in doomed]
-        if not readers:
-            continue
-        user = readers[0]
-        what = "the probabilities" if op.result is match.probabilities else f"{op.name}"
-        if has_trait(user, Trait.EMIT):
-            kind = "an observation" if user.name == "graph.observe" else f"a {user.name.removeprefix('graph.')}"
-            return f"{kind} ({user.attributes.get('name')}) reads {what}"
-        where = f" at {op.loc.short()}" if op.loc is not None else ""
-        reader = "the backward, which is not attention's" if match.direction == "forward" else user.name
-        return f"{what}{where} are read outside the region ({reader}: {user.name}), and the kernel does not write them"
+        what = "the probabilities" if op.result is match.probabilities else op.name
+        for user in op.result.users():
+            if user in inside or user in doomed:
+                continue
+            emit = _emit_reading(user)
+            if emit is not None:
+                kind = "an observation" if emit.name == "graph.observe" else f"a {emit.name.removeprefix('graph.')}"
+                return f"{kind} ({emit.attributes.get('name')}) reads {what}"
+            exposed.append((op, what, user))
+    if not exposed:
+        return None
+    op, what, user = exposed[0]
+    where = f" at {op.loc.short()}" if op.loc is not None else ""
+    reader = "the backward, which is not attention's" if match.direction == "forward" else "an op that stays"
+    return f"{what}{where} are read outside the region by {reader} ({user.name}), and the kernel does not write them"
+
+
+#: How far through the statistics of a value an observation of it is looked for.
+OBSERVATION_DEPTH = 6
+
+
+def _emit_reading(op: Operation, depth: int = 0) -> Operation | None:
+    """The emit (`graph.observe`, `graph.metric`) that is `op` or reads what it computes, within a few ops."""
+    if has_trait(op, Trait.EMIT):
+        return op
+    if depth == OBSERVATION_DEPTH:
+        return None
+    for result in op.results:
+        for user in result.users():
+            found = _emit_reading(user, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+# --- the kernel's operands ----------------------------------------------------------------------------------
+
+#: The permutation of a [B, H, T, d] value into merged heads [B, T, H, d] (what `merge-heads` reshapes).
+MERGE_PERM = (0, 2, 1, 3)
+
+
+def sizes(match: AttentionMatch) -> dict[str, int]:
+    """The kernel's batch, heads and seq: a batch of two axes is (batch, heads), of one axis heads alone."""
+    batch = match.batch
+    return {"batch": batch[0] if len(batch) == 2 else 1, "heads": batch[-1] if batch else 1, "seq": match.seq}
+
+
+def placement(view: StridedView, batch: tuple[int, ...]) -> list[str] | None:
+    """Where a [*batch, T, d] view lives in its root, as `[offset, batch, head, token]` element strides; None
+    when its head-dimension elements are not consecutive or its batch has more than two axes."""
+    if len(batch) > 2 or (view.shape[-1] > 1 and view.strides[-1] != 1):
+        return None
+    lead = list(view.strides[: len(batch)])
+    batch_stride, head_stride = ([0, 0] + lead)[-2:]
+    return [str(view.offset), str(batch_stride), str(head_stride), str(view.strides[-2])]
+
+
+def contiguous(match: AttentionMatch, merged: bool = False) -> list[str]:
+    """The placement of a contiguous [*batch, T, d] kernel output, or of merged heads [B, T, H, d]."""
+    counts = sizes(match)
+    t, h, d = match.seq, counts["heads"], match.head_dim
+    if merged:
+        return ["0", str(t * h * d), str(d), str(h * d)]
+    return ["0", str(h * t * d), str(t * d), str(d)]
+
+
+def merged_reader(match: AttentionMatch) -> Operation | None:
+    """A transpose of the forward's O into merged heads (the `merge-heads` the output projection reads): the
+    kernel writes O there, so no copy makes it."""
+    if len(match.batch) != 2:
+        return None
+    (o, _), = match.outputs.values()
+    return next((u for u in o.users() if u.name == "graph.transpose" and tuple(u.attributes["perm"]) == MERGE_PERM),
+                None)
+
+
+def unplaced(match: AttentionMatch) -> str | None:
+    """Why the kernel cannot read an operand where it is, else None."""
+    if len(match.batch) > 2:
+        return f"its batch has {len(match.batch)} axes (the kernel takes batch and heads)"
+    for role, operand in match.operands.items():
+        if placement(operand.view, match.batch) is None:
+            return f"its {role} is not stored with consecutive head-dimension elements"
     return None
