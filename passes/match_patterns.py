@@ -72,6 +72,9 @@ class MatchPatterns(Pass):
     remarks: bool = False
     #: The kernel target whose templates the kernels are (`passes/targets.py`).
     target: str = "cuda"
+    #: Whether attention regions become the target's attention kernels (a backend that renders the target's
+    #: row programs but has no attention kernel of its own, cpu-c, says false).
+    attention: bool = True
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
@@ -85,7 +88,7 @@ class MatchPatterns(Pass):
             matches = find_matches(block, cache)
             order = {op: i for i, op in enumerate(block.ops)}
             # A target without attention kernels leaves attention to its softmax row program and `fuse`.
-            attention = find_attention(matches, order) if target.attention_head_dims else []
+            attention = find_attention(matches, order) if self.attention and target.attention_head_dims else []
             inner = {a.inner for a in attention}
             others = {op for m in matches if m not in inner for op in m.slice}
             attention_plans = plan_attention(block, attention, others, target)
