@@ -88,7 +88,7 @@ class MatchPatterns(Pass):
             matches = find_matches(block, cache)
             order = {op: i for i, op in enumerate(block.ops)}
             # A target without attention kernels leaves attention to its softmax row program and `fuse`.
-            attention = find_attention(matches, order) if self.attention and target.attention_head_dims else []
+            attention = find_attention(matches, order, cache.attention) if self.attention and target.attention_head_dims else []
             inner = {a.inner for a in attention}
             others = {op for m in matches if m not in inner for op in m.slice}
             attention_plans = plan_attention(block, attention, others, target)

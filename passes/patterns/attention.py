@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from attrs import define, field, frozen
@@ -259,7 +260,8 @@ class AttentionMatch:
         return "packed" if len(roots) == 1 else "heads"
 
 
-def match_attention(forward: Match, block_order: dict[Operation, int]) -> AttentionMatch | None:
+def match_attention(forward: Match, block_order: dict[Operation, int], verdicts: dict[tuple, Any]
+                    ) -> AttentionMatch | None:
     """The attention forward around the softmax forward `forward`, or None when the structure is not there."""
     if forward.family != "softmax" or forward.direction != "forward":
         return None
@@ -294,7 +296,13 @@ def match_attention(forward: Match, block_order: dict[Operation, int]) -> Attent
                            scale=score_scale * a.scale * b.scale, causal=mask_op is not None, head_dim=head_dim,
                            seq=seq, batch=batch, probabilities=ys[0], mask_op=mask_op,
                            constants=sorted(mask_ops, key=lambda op: block_order.get(op, -1)))
-    match.refusal = forward.refusal or _confirm_forward(match, scores, score_scale)
+    key = ("forward", signature([*match.constants, *match.slice]))
+    if key in verdicts:
+        match.refusal, match.causal, match.mask_value = verdicts[key]
+    else:
+        match.refusal = _confirm_forward(match, scores, score_scale)
+        verdicts[key] = (match.refusal, match.causal, match.mask_value)
+    match.refusal = forward.refusal or match.refusal
     match.forms = _forms(match, score_scale, a, b)
     return match
 
@@ -589,8 +597,8 @@ def _forms(match: AttentionMatch, score_scale: float, a: Operand, b: Operand) ->
 
 # --- backward -----------------------------------------------------------------------------------------------
 
-def match_attention_backward(forward: AttentionMatch, backward: Match,
-                             block_order: dict[Operation, int]) -> AttentionMatch | None:
+def match_attention_backward(forward: AttentionMatch, backward: Match, block_order: dict[Operation, int],
+                             verdicts: dict[tuple, Any]) -> AttentionMatch | None:
     """The attention backward around the softmax backward `backward` of `forward`'s softmax, or None."""
     if backward.forward is not forward.inner or "dy" not in backward.inputs or not backward.outputs.get("dx"):
         return None
@@ -625,7 +633,10 @@ def match_attention_backward(forward: AttentionMatch, backward: Match,
                            probabilities=forward.probabilities)
     match.refusal = forward.refusal and f"its forward fell back: {forward.refusal}"
     if match.refusal is None:
-        match.refusal = _confirm_backward(match, dp.op)
+        key = ("backward", signature([*forward.constants, *forward.slice, *match.slice]))
+        if key not in verdicts:
+            verdicts[key] = _confirm_backward(match, dp.op)
+        match.refusal = verdicts[key]
     return match
 
 
@@ -633,6 +644,31 @@ def _views_of(value: Value, sources: set[Value]) -> list[Operation]:
     """The transposes and casts between one of `sources` and `value` (empty when `value` is no view of one)."""
     found = follow(value)
     return found.ops if found.root in sources else []
+
+
+def signature(ops: Sequence[Operation]) -> tuple:
+    """The structure of `ops` without their place in the graph: each op's name, attributes, result type and
+    operands (an earlier op's result by position, else the value from outside by type, splat value and the
+    strided view of its root it is, roots numbered by first appearance). Equal signatures evaluate alike."""
+    refs: dict[Value, int] = {}
+    roots: dict[Value, int] = {}
+    items = []
+    for index, op in enumerate(ops):
+        operands = []
+        for value in op.operands:
+            if value in refs:
+                operands.append(refs[value])
+                continue
+            found = follow(value)
+            view = found.view
+            root = roots.setdefault(view.root, len(roots))
+            operands.append((str(value.type), splat_value(value.op), root, view.offset, view.shape, view.strides,
+                             found.scale, str(view.root.type)))
+        attributes = tuple(sorted((k, repr(v)) for k, v in op.attributes.items() if k != "path"))
+        items.append((op.name, attributes, tuple(str(r.type) for r in op.results), tuple(operands)))
+        for result in op.results:
+            refs[result] = index
+    return tuple(items)
 
 
 def _gradient_contractions(forward: AttentionMatch, grads: set[Value], probabilities: set[Value],
@@ -772,17 +808,19 @@ def output_factor(match: AttentionMatch, role: str) -> float:
 
 # --- finding and deciding -----------------------------------------------------------------------------------
 
-def find_attention(matches: Sequence[Match], order: dict[Operation, int]) -> list[AttentionMatch]:
-    """The attention forwards around the softmax matches, each followed by its backward when one is there."""
+def find_attention(matches: Sequence[Match], order: dict[Operation, int],
+                   verdicts: dict[tuple, Any]) -> list[AttentionMatch]:
+    """The attention forwards around the softmax matches, each followed by its backward when one is there;
+    `verdicts` remembers the confirmations by structure (twelve layers' attentions are evaluated once)."""
     found: list[AttentionMatch] = []
     for match in matches:
-        forward = match_attention(match, order)
+        forward = match_attention(match, order, verdicts)
         if forward is None:
             continue
         found.append(forward)
         for other in matches:
             if other.forward is match:
-                backward = match_attention_backward(forward, other, order)
+                backward = match_attention_backward(forward, other, order, verdicts)
                 if backward is not None:
                     found.append(backward)
                     break
