@@ -243,6 +243,8 @@ class AttentionMatch:
     mask_value: float | None = None
     #: The ops computing the mask from constants (evaluated with the slice, not part of it: layers share them).
     constants: list[Operation] = field(factory=list)
+    #: A forward whose softmax has a backward that is not recognised as attention's.
+    backward_unrecognised: bool = False
 
     @property
     def family(self) -> str:
@@ -821,6 +823,7 @@ def find_attention(matches: Sequence[Match], order: dict[Operation, int],
         for other in matches:
             if other.forward is match:
                 backward = match_attention_backward(forward, other, order, verdicts)
+                forward.backward_unrecognised = backward is None
                 if backward is not None:
                     found.append(backward)
                     break
@@ -914,32 +917,34 @@ def _exposure(match: AttentionMatch, doomed: set[Operation]) -> str | None:
         for user in op.result.users():
             if user in inside or user in doomed:
                 continue
-            emit = _emit_reading(user)
-            if emit is not None:
-                kind = "an observation" if emit.name == "graph.observe" else f"a {emit.name.removeprefix('graph.')}"
-                return f"{kind} ({emit.attributes.get('name')}) reads {what}"
+            observation = _observation_reading(user)
+            if observation is not None:
+                return f"an observation ({observation.attributes.get('name')}) reads {what}"
             exposed.append((op, what, user))
     if not exposed:
         return None
+    if match.backward_unrecognised:
+        return ("its backward is not recognised as attention's (dP = dO·Vᵀ, dV = Pᵀ·dO and dQ, dK from the "
+                "softmax backward), and it reads the probabilities")
     op, what, user = exposed[0]
     where = f" at {op.loc.short()}" if op.loc is not None else ""
-    reader = "the backward, which is not attention's" if match.direction == "forward" else "an op that stays"
-    return f"{what}{where} are read outside the region by {reader} ({user.name}), and the kernel does not write them"
+    return f"{what}{where} are read outside the region ({user.name}), and the kernel does not write them"
 
 
 #: How far through the statistics of a value an observation of it is looked for.
 OBSERVATION_DEPTH = 6
 
 
-def _emit_reading(op: Operation, depth: int = 0) -> Operation | None:
-    """The emit (`graph.observe`, `graph.metric`) that is `op` or reads what it computes, within a few ops."""
-    if has_trait(op, Trait.EMIT):
+def _observation_reading(op: Operation, depth: int = 0) -> Operation | None:
+    """The `graph.observe` that is `op` or reads what it computes (the statistics `diagnose` makes of an
+    observed tensor), within a few ops."""
+    if op.name == "graph.observe":
         return op
     if depth == OBSERVATION_DEPTH:
         return None
     for result in op.results:
         for user in result.users():
-            found = _emit_reading(user, depth + 1)
+            found = _observation_reading(user, depth + 1)
             if found is not None:
                 return found
     return None
