@@ -47,7 +47,7 @@ from .manager import CompilationUnit, Pass, register_pass
 from .patterns import attention as attention_family
 from .patterns.attention import AttentionPlan, find_attention, plan_attention
 from .patterns.domain import is_float_cast
-from .patterns.families import Match
+from .patterns.families import BACKWARD_OF, Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
 from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
@@ -96,6 +96,8 @@ class MatchPatterns(Pass):
             subsumed = {plan.match.inner for plan in attention_plans if plan.taken}
             plans = plan_matches(block, [m for m in matches if m not in subsumed], target)
             name = func.attributes["sym_name"]
+            if str(func.attributes.get("kind", "")).startswith("train"):
+                _name_unmatched_backwards(plans)
             if not plans and not attention_plans:
                 facts[name] = {}
                 continue
@@ -121,6 +123,22 @@ def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
         kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
         return f"{where}remark: {what}: kernel {kernels}{forms}{declined}"
     return f"{where}remark: {what}: fell back: {plan.reason}{declined}"
+
+
+def _name_unmatched_backwards(plans: list[Plan]) -> None:
+    """A taken forward whose backward was not recognised gets a `fell back` line for the backward (silence would
+    hide that `fuse` computes it): label smoothing written as two terms, an added z-loss."""
+    for plan in plans:
+        match = plan.match
+        backward = BACKWARD_OF.get(match.family)
+        if not plan.taken or not match.backward_unmatched or backward is None:
+            continue
+        family = "cross_entropy_backward" if match.family == "cross_entropy" else backward[0]
+        name = "cross-entropy" if match.family == "cross_entropy" else _display(match.family)
+        reason = (f"its backward is not recognised as the {name} backward (another term in the gradient, such as "
+                  "label smoothing); fuse computes it")
+        if (family, reason) not in match.declined:
+            match.declined = (*match.declined, (family, reason))
 
 
 def attention_remark(graph: str, plan: AttentionPlan, symbols: list[str]) -> str:
@@ -173,8 +191,9 @@ def pattern_facts(plans: list[Plan], symbols: dict[Plan, list[str]]) -> dict[str
     for plan in plans:
         loc = plan.loc.short() if plan.loc is not None else None
         for family, reason in plan.match.declined:
-            kind = "cross_entropy" if family == "cross_entropy" else "row"
-            entry_of(_forward_key(family), kind, "forward")["fell_back"].append(
+            kind = "cross_entropy" if family.startswith("cross_entropy") else "row"
+            direction = "backward" if family.endswith("backward") else "forward"
+            entry_of(_forward_key(family), kind, direction)["fell_back"].append(
                 {"path": plan.path, "reason": reason, "loc": loc})
         entry = entry_of(plan.family, plan.match.kind, plan.match.direction)
         if plan.taken:

@@ -109,11 +109,10 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
         queue.extendleft(reversed([o for o in region.ops if o in seeds and o not in tried and o not in claimed]))
     for forward in [m for m in matches if m.direction == "forward"]:
         readers = _readers_outside(forward, claimed, order)
-        if readers:
+        if readers and not any(m.forward is forward for m in matches):
             region = grow(readers, forward.region.domain, order, free, blocked=claimed,
                           intermediate=intermediates.__contains__)
-            if region is not None:
-                confirm(_backward(region, forward_of, cache))
+            forward.backward_unmatched = region is None or not confirm(_backward(region, forward_of, cache))
     return sorted(matches, key=lambda m: order[m.slice[0]])
 
 
