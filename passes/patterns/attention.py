@@ -58,6 +58,8 @@ FULL_EVALUATION_LIMIT = 1 << 20
 REGIME_SCALES = (0.0, 1e-4, 30.0)
 #: A masked score at or below this adds exactly zero to a softmax of f32 scores (exp underflows).
 LARGE_NEGATIVE = -1e4
+#: How close a backward of a region holding bf16 values must be to the formula (bf16 keeps 8 bits).
+BF16_TOLERANCE = 2.0**-8
 #: Ops a chain of views may hold.
 VIEW_OPS = frozenset({"graph.reshape", "graph.transpose", "graph.slice", "graph.expand_dims", "graph.squeeze"})
 
@@ -520,7 +522,7 @@ def _confirm_forward(match: AttentionMatch, scores: Value, score_scale: float) -
         if trial == 0 and match.mask_op is not None:
             match.mask_value = _masked_value(match.mask_op, env)
         fits = [causal for causal in (match.causal, not match.causal)
-                if _agrees(got, attention_of_scores(score_scale * raw, v, causal), trial)]
+                if _holds(got, attention_of_scores(score_scale * raw, v, causal), trial)]
         if not fits:
             if trial == 0:
                 return "its mask is neither causal nor absent" if match.causal else \
@@ -565,10 +567,25 @@ def _masked_value(op: Operation, env: dict[Value, np.ndarray]) -> float:
     return float(min(np.min(env[v]) if v in env else np.inf for v in lanes if constant_derived(v, memo)))
 
 
-def _agrees(got: np.ndarray, want: np.ndarray, trial: int) -> bool:
+def _holds(got: np.ndarray, want: np.ndarray, trial: int) -> bool:
+    """The first trial's outputs equal the formula's; a regime trial's wherever the region's are finite."""
     if trial == 0:
-        return bool(np.all(np.isfinite(got))) and bool(np.all(np.abs(got - want) <= TOLERANCE * (np.abs(want) + np.abs(want).max())))
+        return _agrees(got, want)
     return holds(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]))
+
+
+def _agrees(got: np.ndarray, want: np.ndarray, tolerance: float = TOLERANCE) -> bool:
+    """Equal within `tolerance` of each element and of the largest magnitude, all finite."""
+    if not np.all(np.isfinite(got)):
+        return False
+    return bool(np.all(np.abs(got - want) <= tolerance * (np.abs(want) + np.abs(want).max())))
+
+
+def _tolerance(ops: Sequence[Operation]) -> float:
+    """TOLERANCE, or bf16's precision when the region holds bf16 values: a constant there (the scale of the
+    gradient) is rounded to bf16, so the math as written differs from the formula by that rounding, which
+    the kernel, computing with the scale in f32, does not make."""
+    return BF16_TOLERANCE if any(r.type.dtype == "bf16" for op in ops for r in op.results) else TOLERANCE
 
 
 def _forms(match: AttentionMatch, score_scale: float, a: Operand, b: Operand) -> list[str]:
@@ -787,7 +804,7 @@ def _confirm_backward(match: AttentionMatch, dp_product: Operation) -> str | Non
         got = env[value]
         if transposed:
             got = np.swapaxes(got, -1, -2)
-        if not _agrees(got, want, 0):
+        if not _agrees(got, want, _tolerance(match.slice)):
             return f"its {role} is not the attention formula's gradient"
     return None
 
