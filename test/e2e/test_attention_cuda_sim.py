@@ -9,16 +9,9 @@ as written. The losses of a few steps agree within f32 rounding (1e-5), and with
 
 from __future__ import annotations
 
-import contextlib
-import io
-from pathlib import Path
-
 import numpy as np
 import pytest
-from sexpgpu.backends.events import read_events
-from sexpgpu.backends.training import train
-
-from sexpgpu.report.lowering_text import lowering_text
+from test_guards_cuda_sim import losses
 
 EXPERIMENT = """\
 (defloader data :source (npy-file "data.npz") :fields ((x [7 64] f32)) :batch 2)
@@ -38,15 +31,6 @@ EXPERIMENT = """\
 (defoptimizer opt (sgd :lr 0.5))
 (defrun :steps 3 :loader data :objective objective :optimizer opt :checkpoints none :precision PRECISION)
 """
-
-
-def losses(source: Path, out: Path, device: str) -> tuple[list[float], str]:
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        result = train(str(source), out=out, device=device, stream=io.StringIO(), interactive=False,
-                       lowering_text=lowering_text)
-    assert result.status == "done", result.message
-    return [e["loss"] for e in read_events(out / "events.jsonl") if e["type"] == "step"], stderr.getvalue()
 
 
 @pytest.mark.parametrize(("precision", "tolerance"), [("f32", 1e-5), ("bf16", 2e-2)])
