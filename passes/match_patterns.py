@@ -25,6 +25,8 @@ dtype the templates do not store, an observation of a value inside it, an
 intermediate value read elsewhere — is left to `fuse` and recorded with its
 reason.
 
+A taken forward whose backward is not recognised gets a `fell back` line for the backward.
+
 Facts: `unit.facts.lowering.patterns[graph][family]` = `{"group",
 "direction", "kernels", "fired", "paths", "as", "fell_back"}` (see
 `pattern_facts`). Option `remarks` prints one line per region on standard
