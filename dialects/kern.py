@@ -29,7 +29,12 @@ element, ending in `kern.yield`; each operand reaches the body through an
 index map from the iteration domain), `multi_tensor_update` (an optimizer
 group's per-element update, body alike), and the template kinds without a
 body: `row` (a row program `{family, form}`), `cross_entropy` (the tail
-`{direction, form}`), `gather`, `scatter_add`, `copy`, `fill`. Every kernel
+`{direction, form}`), `attention` (fused causal or full attention
+`{direction, head_dim, causal, scale, placements, sizes, form}`: a
+FlashAttention-2-style forward writing O and the log-sum-exp, or the
+backward's three steps; `placements` say where each of q, k, v, o, do and
+the gradients lives in the buffer bound to it, so a packed QKV projection is
+read in place; no sequence×sequence tensor exists), `gather`, `scatter_add`, `copy`, `fill`. Every kernel
 carries its signature (`inputs`, `outputs`: tensor types, so shapes and
 dtypes), its launch shape (`grid`, `block`: three ints each; `shared`: dynamic
 shared-memory bytes) and the model path of the region it came from (`path`).
@@ -59,12 +64,14 @@ from .core import OpDef, Operation, SymbolRef, TensorType, VerifyError, register
 #: Kernels generated from a body of scalar `graph` ops.
 BODY_KINDS = ("pointwise", "reduction", "multi_tensor_update")
 #: Kernels written from a parameterised template; no body.
-TEMPLATE_KINDS = ("row", "cross_entropy", "gather", "scatter_add", "copy", "fill")
+TEMPLATE_KINDS = ("row", "cross_entropy", "attention", "gather", "scatter_add", "copy", "fill")
 KERNEL_KINDS = BODY_KINDS + TEMPLATE_KINDS
 #: Row-program families (`kern.kernel {kind = "row", family = ...}`).
 ROW_FAMILIES = ("softmax", "log_softmax", "layernorm", "rmsnorm", "softmax_backward", "log_softmax_backward",
                 "layernorm_backward", "rmsnorm_backward")
 CROSS_ENTROPY_DIRECTIONS = ("forward", "backward")
+#: What an `attention` kernel's symbol must say besides its signature and launch.
+ATTENTION_ATTRS = ("direction", "head_dim", "causal", "scale", "placements", "sizes")
 #: The ops a `kern.reduce` in a reduction body applies.
 REDUCE_OPS = ("sum", "max", "min")
 #: GEMM epilogues cuBLASLt fuses (`bias_grad_*` reduce the GEMM's output into a bias gradient).
@@ -119,6 +126,12 @@ class KernelOp(OpDef):
             raise VerifyError(f"a row kernel's family must be one of {', '.join(ROW_FAMILIES)}", op)
         if kind == "cross_entropy" and op.attributes.get("direction") not in CROSS_ENTROPY_DIRECTIONS:
             raise VerifyError("a cross_entropy kernel's direction must be forward or backward", op)
+        if kind == "attention":
+            missing = [name for name in ATTENTION_ATTRS if name not in op.attributes]
+            if missing:
+                raise VerifyError(f"an attention kernel requires attribute '{missing[0]}'", op)
+            if op.attributes["direction"] not in CROSS_ENTROPY_DIRECTIONS:
+                raise VerifyError("an attention kernel's direction must be forward or backward", op)
         if kind in BODY_KINDS:
             _verify_body(op, inputs, outputs)
 

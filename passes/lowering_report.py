@@ -193,8 +193,9 @@ def _device_launches(func: Operation) -> int:
 
 def family_display(family: str) -> str:
     """A family as the report names it: `layernorm backward`, `log-softmax`; the tail by its direction."""
-    if family.startswith("cross_entropy_"):
-        return family.removeprefix("cross_entropy_")
+    for tail in ("cross_entropy_", "attention_"):
+        if family.startswith(tail):
+            return family.removeprefix(tail)
     return family.replace("_backward", " backward").replace("_", "-")
 
 
@@ -202,6 +203,8 @@ def base_family(family: str) -> str:
     """The family a form belongs to, its backward included: `layernorm`, `cross-entropy`."""
     if family.startswith("cross_entropy"):
         return "cross-entropy"
+    if family.startswith("attention"):
+        return "attention"
     return family.removesuffix("_backward").replace("_", "-")
 
 
@@ -225,7 +228,7 @@ def _pattern_families(per_graph: Iterable[Mapping[str, Mapping[str, Any]]]) -> l
                 if found not in group["as"]:
                     group["as"].append(found)
             group["fell_back"].extend({"family": family_display(family) if entry["group"] == "row programs"
-                                       else f"cross-entropy {family_display(family)}", **fell}
+                                       else f"{base_family(family)} {family_display(family)}", **fell}
                                       for fell in entry["fell_back"])
     return list(groups.values())
 

@@ -169,6 +169,7 @@ PASS_MODULES: dict[str, str] = {
     "flatten-updates": ".flat_updates",
     "fold-constants": ".fold_constants",
     "fuse": ".fuse",
+    "gemm-layouts": ".gemm_layouts",
     "insert-casts": ".insert_casts",
     "ir-json": ".ir_json",
     "lower-cpu": ".lower_cpu",

@@ -25,6 +25,8 @@ dtype the templates do not store, an observation of a value inside it, an
 intermediate value read elsewhere — is left to `fuse` and recorded with its
 reason.
 
+A taken forward whose backward is not recognised gets a `fell back` line for the backward.
+
 Facts: `unit.facts.lowering.patterns[graph][family]` = `{"group",
 "direction", "kernels", "fired", "paths", "as", "fell_back"}` (see
 `pattern_facts`). Option `remarks` prints one line per region on standard
@@ -44,19 +46,21 @@ from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
 from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
 from .manager import CompilationUnit, Pass, register_pass
+from .patterns import attention as attention_family
+from .patterns.attention import AttentionPlan, find_attention, plan_attention
 from .patterns.domain import is_float_cast
-from .patterns.families import Match
+from .patterns.families import BACKWARD_OF, Match
 from .patterns.forms import kernel_form
 from .patterns.memo import MatchCache
 from .patterns.plans import DATA_OUTPUTS, Plan, find_matches, loss_factor, plan_matches, recomputable, storage
-from .targets import KernelTarget, kernel_target
+from .targets import KernelTarget, PatternKernel, PatternLaunches, kernel_target
 
 #: Kernel operand names by how they are laid out: rows [rows, cols], columns [cols], per-row values [rows].
 ROW_OPERANDS = frozenset({"x", "y", "dy", "dx", "logits", "dlogits"})
 COLUMN_OPERANDS = frozenset({"weight", "bias", "dweight", "dbias"})
 PER_ROW_OPERANDS = frozenset({"mean", "rstd", "lse", "losses", "targets"})
 #: Report groups of the families.
-GROUPS = {"row": "row programs", "cross_entropy": "cross-entropy tail"}
+GROUPS = {"row": "row programs", "cross_entropy": "cross-entropy tail", "attention": "attention"}
 
 
 @register_pass
@@ -70,6 +74,9 @@ class MatchPatterns(Pass):
     remarks: bool = False
     #: The kernel target whose templates the kernels are (`passes/targets.py`).
     target: str = "cuda"
+    #: Whether attention regions become the target's attention kernels (a backend that renders the target's
+    #: row programs but has no attention kernel of its own, cpu-c, says false).
+    attention: bool = True
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
@@ -80,17 +87,32 @@ class MatchPatterns(Pass):
         cache = MatchCache()
         for func in graph_funcs(module):
             block = func.regions[0].blocks[0]
-            plans = plan_matches(block, find_matches(block, cache), target)
+            matches = find_matches(block, cache)
+            order = {op: i for i, op in enumerate(block.ops)}
+            # A target without attention kernels leaves attention to its softmax row program and `fuse`.
+            attention = find_attention(matches, order, cache.attention) if self.attention and target.attention_head_dims else []
+            inner = {a.inner for a in attention}
+            others = {op for m in matches if m not in inner for op in m.slice}
+            attention_plans = plan_attention(block, attention, others, target)
+            # A taken attention stands for its softmax and softmax backward: they are not row programs there.
+            subsumed = {plan.match.inner for plan in attention_plans if plan.taken}
+            plans = plan_matches(block, [m for m in matches if m not in subsumed], target)
             name = func.attributes["sym_name"]
-            if not plans:
+            if str(func.attributes.get("kind", "")).startswith("train"):
+                _name_unmatched_backwards(plans)
+            if not plans and not attention_plans:
                 facts[name] = {}
                 continue
-            replace = ReplaceRegions(block, plans, kernels, target)
+            replace = ReplaceRegions(block, plans, kernels, target, attention_plans)
             GreedyRewriteDriver([replace]).rewrite_block(block)
             facts[name] = pattern_facts(plans, replace.symbols)
+            attention_facts(facts[name], attention_plans, replace.symbols)
             if self.remarks:
-                for plan in plans:
-                    print(remark(name, plan, replace.symbols.get(plan)), file=sys.stderr)
+                lines = [(plan.match.slice[0], remark(name, plan, replace.symbols.get(plan))) for plan in plans]
+                lines += [(plan.match.slice[0], attention_remark(name, plan, replace.symbols.get(plan, [])))
+                          for plan in attention_plans]
+                for _, line in sorted(lines, key=lambda item: order.get(item[0], -1)):
+                    print(line, file=sys.stderr)
 
 
 def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
@@ -103,6 +125,51 @@ def remark(graph: str, plan: Plan, symbols: list[str] | None) -> str:
         kernels = ", ".join(f"@{symbol}" for symbol in symbols or [])
         return f"{where}remark: {what}: kernel {kernels}{forms}{declined}"
     return f"{where}remark: {what}: fell back: {plan.reason}{declined}"
+
+
+def _name_unmatched_backwards(plans: list[Plan]) -> None:
+    """A taken forward whose backward was not recognised gets a `fell back` line for the backward (silence would
+    hide that `fuse` computes it): label smoothing written as two terms, an added z-loss."""
+    for plan in plans:
+        match = plan.match
+        backward = BACKWARD_OF.get(match.family)
+        if not plan.taken or not match.backward_unmatched or backward is None:
+            continue
+        family = "cross_entropy_backward" if match.family == "cross_entropy" else backward[0]
+        name = "cross-entropy" if match.family == "cross_entropy" else _display(match.family)
+        reason = (f"its backward is not recognised as the {name} backward (another term in the gradient, such as "
+                  "label smoothing); fuse computes it")
+        if (family, reason) not in match.declined:
+            match.declined = (*match.declined, (family, reason))
+
+
+def attention_remark(graph: str, plan: AttentionPlan, symbols: list[str]) -> str:
+    """A remark line of an attention region: its kernels and forms, or `fell back` and why."""
+    where = f"{plan.loc}: " if plan.loc is not None else ""
+    what = f"attention {plan.match.direction} at {plan.path or '(no path)'} in @{graph}"
+    if plan.taken:
+        forms = f"; as {', '.join(plan.match.forms)}" if plan.match.direction == "forward" else ""
+        return f"{where}remark: {what}: kernel {', '.join(f'@{s}' for s in symbols)}{forms}"
+    return f"{where}remark: {what}: fell back: {plan.reason}"
+
+
+def attention_facts(facts: dict[str, dict[str, Any]], plans: list[AttentionPlan],
+                    symbols: dict[AttentionPlan, list[str]]) -> None:
+    """The attention regions' facts, as `pattern_facts` records a family's (forms on the forward)."""
+    for plan in plans:
+        match = plan.match
+        entry = facts.setdefault(match.family, {"group": GROUPS["attention"], "direction": match.direction,
+                                                "kernels": [], "fired": 0, "paths": [], "as": [], "fell_back": []})
+        if plan.taken:
+            entry["kernels"].extend(s for s in symbols.get(plan, []) if s not in entry["kernels"])
+            entry["fired"] += 1
+            entry["paths"].append(plan.path)
+            form = ", ".join(match.forms)
+            if match.direction == "forward" and form not in entry["as"]:
+                entry["as"].append(form)
+        else:
+            loc = plan.loc.short() if plan.loc is not None else None
+            entry["fell_back"].append({"path": plan.path, "reason": plan.reason, "loc": loc})
 
 
 def _forward_key(family: str) -> str:
@@ -126,8 +193,9 @@ def pattern_facts(plans: list[Plan], symbols: dict[Plan, list[str]]) -> dict[str
     for plan in plans:
         loc = plan.loc.short() if plan.loc is not None else None
         for family, reason in plan.match.declined:
-            kind = "cross_entropy" if family == "cross_entropy" else "row"
-            entry_of(_forward_key(family), kind, "forward")["fell_back"].append(
+            kind = "cross_entropy" if family.startswith("cross_entropy") else "row"
+            direction = "backward" if family.endswith("backward") else "forward"
+            entry_of(_forward_key(family), kind, direction)["fell_back"].append(
                 {"path": plan.path, "reason": reason, "loc": loc})
         entry = entry_of(plan.family, plan.match.kind, plan.match.direction)
         if plan.taken:
@@ -188,16 +256,20 @@ def _key(attributes: dict[str, Any]) -> str:
 class ReplaceRegions(RewritePattern):
     """When the driver reaches the first op of a taken plan's slice, its kernel launch replaces the slice."""
 
-    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable, target: KernelTarget) -> None:
+    def __init__(self, block: Block, plans: list[Plan], kernels: KernelTable, target: KernelTarget,
+                 attention: list[AttentionPlan] = ()) -> None:
         self.target = target
-        self.pending = {plan.match.slice[0]: plan for plan in plans if plan.taken}
+        self.pending: dict[Operation, Plan | AttentionPlan] = {
+            plan.match.slice[0]: plan for plan in [*plans, *attention] if plan.taken}
         #: Block order, for placing launches: ops inserted before an op take places just before it.
         self.position: dict[Operation, float] = {op: float(i) for i, op in enumerate(block.ops)}
         self.kernels = kernels
         #: The kernel symbols each taken plan launches, in order.
-        self.symbols: dict[Plan, list[str]] = {}
+        self.symbols: dict[Plan | AttentionPlan, list[str]] = {}
         #: Each replaced match's kernel outputs by operand name (a backward reads its forward's).
-        self.outputs: dict[Match, dict[str, Value]] = {}
+        self.outputs: dict[Match | attention_family.AttentionMatch, dict[str, Value]] = {}
+        #: Where each replaced attention forward's kernel wrote O (its backward reads it there).
+        self.o_placements: dict[attention_family.AttentionMatch, list[str]] = {}
         #: The values replaced so far and what replaced them (matches found before rewriting hold the old ones).
         self.replaced: dict[Value, Value] = {}
         #: The reshapes made into kernel layouts, by value and shape.
@@ -237,8 +309,31 @@ class ReplaceRegions(RewritePattern):
         plan = self.pending.pop(op, None)
         if plan is None:
             return False
-        _Launch(self, plan, rewriter).build()
+        if isinstance(plan, AttentionPlan):
+            _AttentionLaunch(self, plan, rewriter).build()
+        else:
+            _Launch(self, plan, rewriter).build()
         return True
+
+    def launch_steps(self, rewriter: PatternRewriter, stem: str, base: dict[str, Any], launches: PatternLaunches,
+                     values: dict[str, Value], types: dict[str, TensorType], path: str, loc,
+                     anchor: Operation) -> list[str]:
+        """One launch per step of a pattern kernel's program, each a kernel symbol of its own: a step's results
+        (scratch included) are values the next step reads, so plan-buffers places them like any other. Returns
+        the symbols; `values` gains the results by operand name."""
+        symbols = []
+        for index, step in enumerate(launches.steps):
+            reads, writes = list(step.reads), list(step.writes)
+            attributes = {**base, "step": index, "operands": [*reads, *writes],
+                          "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
+                          "grid": list(step.grid), "block": list(step.block), "shared": step.shared}
+            suffix = f"_{step.name}" if step.name else ""
+            symbol = self.kernels.symbol(stem + suffix, attributes, loc)
+            symbols.append(symbol)
+            launch = self.create(rewriter, "kern.launch", [values[n] for n in reads],
+                                 {"kernel": SymbolRef(symbol), "path": path}, [types[n] for n in writes], loc, anchor)
+            values.update(zip(writes, launch.results))
+        return symbols
 
 
 @define(eq=False)
@@ -272,7 +367,7 @@ class _Launch:
         dtypes = {name: value.type.dtype for name, value in sources.items()} | {n: d for n, (d, _) in outputs.items()}
         types = {name: self.layout(name, sources[name].type.dtype) for name in input_names}
         types |= {name: self.layout(name, outputs[name][0]) for name in output_names}
-        launches = target.pattern_launches(kernel, dtypes, rows)
+        launches = target.pattern_launches(kernel, dtypes, {"rows": rows})
         # Scratch (a backward's partial column sums, a loss's partial sums) is f32 the program's steps pass on.
         types |= {name: TensorType((nbytes // 4,), "f32") for name, nbytes in launches.scratch.items()}
         base = {"kind": kernel.kind, **kernel.attributes(), "rows": rows, "form": kernel_form(match),
@@ -280,21 +375,8 @@ class _Launch:
         data = "_".join(dict.fromkeys(dtypes[n] for n in (*input_names, *output_names) if n in ROW_OPERANDS))
         stem = f"{plan.family}_{data}_{cols}{_variant(kernel.options)}"
         values = {name: self.reshaped(sources[name], types[name], anchor) for name in input_names}
-        symbols = self.owner.symbols[plan] = []
-        # One launch per step of the template's program, each a kernel symbol of its own: a step's results
-        # (scratch included) are values the next step reads, so plan-buffers places them like any other.
-        for index, step in enumerate(launches.steps):
-            reads, writes = list(step.reads), list(step.writes)
-            attributes = {**base, "step": index, "operands": [*reads, *writes],
-                          "inputs": [types[n] for n in reads], "outputs": [types[n] for n in writes],
-                          "grid": list(step.grid), "block": list(step.block), "shared": step.shared}
-            suffix = f"_{step.name}" if step.name else ""
-            symbol = self.owner.kernels.symbol(stem + suffix, attributes, match.slice[0].loc)
-            symbols.append(symbol)
-            launch = self.owner.create(self.rewriter, "kern.launch", [values[n] for n in reads],
-                                       {"kernel": SymbolRef(symbol), "path": plan.path},
-                                       [types[n] for n in writes], match.slice[0].loc, anchor)
-            values.update(zip(writes, launch.results))
+        self.owner.symbols[plan] = self.owner.launch_steps(self.rewriter, stem, base, launches, values, types,
+                                                           plan.path, match.slice[0].loc, anchor)
         copies = self.recompute(plan.recomputed, anchor)
         for value in plan.recomputed:
             self.rewriter.replace_all_uses_with(value, copies[value])
@@ -404,6 +486,113 @@ class _Launch:
                                     anchor.loc, anchor)
             new = mul.result
         return new
+
+
+@define(eq=False)
+class _AttentionLaunch:
+    """Builds one attention plan's launches: Q, K, V (and dO) read where the graph holds them, O written in
+    merged heads when the output projection reads it so, the gradients in heads; the graph's values replaced by
+    views of the results."""
+
+    owner: ReplaceRegions
+    plan: AttentionPlan
+    rewriter: PatternRewriter
+
+    def build(self) -> None:
+        plan, match = self.plan, self.plan.match
+        forward = match.forward or match
+        owner = self.owner
+        if match.forward is not None and match.forward not in owner.outputs:
+            plan.reason = "its forward's kernel had no place to launch"
+            return
+        roles = {**forward.operands, **match.operands}
+        sources = {role: owner.current(operand.root) for role, operand in roles.items()}
+        anchor = owner.anchor(match, list(sources.values()))
+        if anchor is None:
+            plan.reason = "its operands are defined after a use of its results"
+            return
+        dtype = sources["q"].type.dtype
+        placements = {role: attention_family.placement(operand.view, match.batch) for role, operand in roles.items()}
+        merged = attention_family.merged_reader(forward) if match.direction == "forward" else None
+        placements["o"] = owner.o_placements.get(forward) or attention_family.contiguous(match, merged=merged is not None)
+        seq, head_dim, batch = match.seq, match.head_dim, match.batch
+        heads_type = TensorType((*batch, seq, head_dim), dtype)
+        o_type = TensorType(merged.result.type.shape, dtype) if merged is not None else heads_type
+        if match.direction == "backward":
+            o_type = owner.outputs[forward]["o"].type
+        stat_type = TensorType((*batch, seq), "f32")
+        types = {role: value.type for role, value in sources.items()}
+        types |= {"o": o_type, "lse": stat_type, "delta": stat_type}
+        values = dict(sources)
+        if match.direction == "backward":
+            for role in ("dq", "dk", "dv"):
+                placements[role] = attention_family.contiguous(match)
+                types[role] = heads_type
+            values |= {name: owner.outputs[forward][name] for name in ("o", "lse")}
+        kernel = PatternKernel("attention", match.direction, head_dim,
+                               {"causal": match.causal, "scale": float(match.scale), "placements": placements})
+        target = owner.target
+        inputs, outputs = target.pattern_operands(kernel)
+        dtypes = {name: types[name].dtype for name in (*inputs, *outputs)}
+        counts = attention_family.sizes(match)
+        launches = target.pattern_launches(kernel, dtypes, counts)
+        base = {"kind": "attention", **kernel.attributes(), "sizes": counts, "form": ", ".join(forward.forms),
+                "dtypes": dtypes, "path": plan.path}
+        stem = f"attention_{match.direction}_{dtype}_d{head_dim}"
+        loc = match.slice[0].loc
+        owner.symbols[plan] = owner.launch_steps(self.rewriter, stem, base, launches, values, types, plan.path, loc,
+                                                 anchor)
+        owner.outputs[match] = {name: values[name] for name in outputs}
+        if match.direction == "forward":
+            owner.o_placements[match] = placements["o"]
+            result = self.scaled(values["o"], attention_family.output_factor(match, "o"), anchor)
+            self.replace_output(result, match.outputs["o"][0], merged, anchor)
+            return
+        for role in ("dq", "dk", "dv"):
+            graph_value, transposed = match.outputs[role]
+            result = values[role]
+            if transposed:
+                result = self.op("graph.transpose", [result], {"perm": _swap_last(result.type.rank)},
+                                 graph_value.type.with_dtype(dtype), anchor)
+            result = self.scaled(result, attention_family.output_factor(match, role), anchor)
+            self.replace(graph_value, self.cast(result, graph_value.type.dtype, anchor))
+
+    def replace_output(self, result: Value, o: Value, merged: Operation | None, anchor: Operation) -> None:
+        """The graph's O (and its merged-heads transpose) replaced by the kernel's output."""
+        if merged is None:
+            self.replace(o, self.cast(result, o.type.dtype, anchor))
+            return
+        self.replace(merged.result, self.cast(result, merged.result.type.dtype, anchor))
+        if any(user is not merged for user in o.users()):
+            heads = self.op("graph.transpose", [result], {"perm": list(attention_family.MERGE_PERM)},
+                            o.type.with_dtype(result.type.dtype), anchor)
+            self.replace(o, self.cast(heads, o.type.dtype, anchor))
+
+    def op(self, name: str, operands: list[Value], attributes: dict[str, Any], result: TensorType,
+           anchor: Operation) -> Value:
+        stamp = {"path": self.plan.path} if self.plan.path else {}
+        return self.owner.create(self.rewriter, name, operands, {**stamp, **attributes}, [result], anchor.loc,
+                                 anchor).result
+
+    def scaled(self, value: Value, factor: float, anchor: Operation) -> Value:
+        """`value` times `factor` (a splat constant on the way back to the graph's scaling; none for 1)."""
+        if factor == 1.0:
+            return value
+        const = self.op("graph.const", [], {"value": factor}, value.type, anchor)
+        return self.op("graph.mul", [value, const], {}, value.type, anchor)
+
+    def cast(self, value: Value, dtype: str, anchor: Operation) -> Value:
+        if value.type.dtype == dtype:
+            return value
+        return self.op("graph.cast", [value], {"dtype": dtype}, value.type.with_dtype(dtype), anchor)
+
+    def replace(self, old: Value, new: Value) -> None:
+        self.rewriter.replace_all_uses_with(old, new)
+        self.owner.replaced[old] = new
+
+
+def _swap_last(rank: int) -> list[int]:
+    return [*range(rank - 2), rank - 1, rank - 2]
 
 
 def _casts_reading(reader: Operation) -> list[Operation]:

@@ -48,8 +48,9 @@ class LaunchPlan:
 
 @frozen
 class PatternKernel:
-    """A pattern kernel as `match-patterns` chooses it: kind (`row` or `cross_entropy`), family (or
-    direction), row length and template options. Target-independent: the target says what it launches."""
+    """A pattern kernel as `match-patterns` chooses it: kind (`row`, `cross_entropy` or `attention`), family (or
+    direction), row length (an attention's head dimension) and template options. Target-independent: the target
+    says what it launches."""
 
     kind: str
     family: str
@@ -59,7 +60,7 @@ class PatternKernel:
     def attributes(self) -> dict[str, Any]:
         """The symbol attributes that say which template and options (besides signature and launch shape)."""
         key = "family" if self.kind == "row" else "direction"
-        length = "cols" if self.kind == "row" else "vocab"
+        length = {"row": "cols", "cross_entropy": "vocab", "attention": "head_dim"}[self.kind]
         return {key: self.family, length: self.cols, **self.options}
 
 
@@ -94,14 +95,19 @@ class KernelTarget(ABC):
     float_storage: tuple[str, ...]
     #: Integer dtypes a pattern kernel's index operands (a loss's targets) may be stored in.
     index_storage: tuple[str, ...]
+    #: Head dimensions the target's fused attention kernels take; none when it has no attention kernel (then
+    #: `match-patterns` leaves attention to its softmax row program and `fuse`).
+    attention_head_dims: tuple[int, ...] = ()
 
     @abstractmethod
     def pattern_operands(self, kernel: PatternKernel) -> tuple[list[str], list[str]]:
         """The names of the kernel's inputs and outputs, in launch order."""
 
     @abstractmethod
-    def pattern_launches(self, kernel: PatternKernel, dtypes: Mapping[str, str], rows: int) -> PatternLaunches:
-        """The launches of `kernel` over `rows` rows with its operands in `dtypes` (by name)."""
+    def pattern_launches(self, kernel: PatternKernel, dtypes: Mapping[str, str], sizes: Mapping[str, int]
+                         ) -> PatternLaunches:
+        """The launches of `kernel` with its operands in `dtypes` (by name) for its `sizes` (`rows` for a row
+        program or the tail; `batch`, `heads`, `seq` for attention)."""
 
     @abstractmethod
     def plan_generated(self, kind: str, domain: Sequence[int], reduce_axes: Sequence[int],

@@ -26,7 +26,7 @@ from ...passes.targets import (
 )
 from .render import launches
 from .render.emit import EmitCuda
-from .render.pattern_kernels import FLOAT_STORAGE, INDEX_STORAGE, pattern_program
+from .render.pattern_kernels import ATTENTION_HEAD_DIMS, FLOAT_STORAGE, INDEX_STORAGE, pattern_program
 
 
 class CudaTarget(KernelTarget):
@@ -35,6 +35,7 @@ class CudaTarget(KernelTarget):
     name = "cuda"
     float_storage = FLOAT_STORAGE
     index_storage = INDEX_STORAGE
+    attention_head_dims = ATTENTION_HEAD_DIMS
     #: The target-specific lowering passes it registers: the translation to CUDA C.
     lowering_passes: tuple[type[Pass], ...] = (EmitCuda,)
 
@@ -42,9 +43,10 @@ class CudaTarget(KernelTarget):
         params = pattern_program(kernel).params
         return [p.name for p in params if p.role == "input"], [p.name for p in params if p.role == "output"]
 
-    def pattern_launches(self, kernel: PatternKernel, dtypes: Mapping[str, str], rows: int) -> PatternLaunches:
+    def pattern_launches(self, kernel: PatternKernel, dtypes: Mapping[str, str], sizes: Mapping[str, int]
+                         ) -> PatternLaunches:
         program = pattern_program(kernel, dtypes)
-        sizes = program.all_sizes({"rows": rows})
+        sizes = program.all_sizes(sizes)
         steps = []
         for index, step in enumerate(program.steps):
             pointers = [(param, name) for param, name in zip(step.kernel.params, step.arguments) if param.is_pointer]

@@ -7,7 +7,9 @@
 - `families`: each family's formula, and the numeric search that binds a
   region's values to a family's inputs and outputs;
 - `forms`: the spelling a match was written in, read off its structure;
-- `plans`: which matched regions are replaced and which fall back, and why.
+- `plans`: which matched regions are replaced and which fall back, and why;
+- `attention`: attention (`softmax(scale·Q·Kᵀ + mask)·V` and its backward)
+  recognised around a softmax match, its plans and its kernels' operands.
 
 docs/cuda.md, section "Pattern families", describes the method.
 """

@@ -86,6 +86,9 @@ class Match:
     #: Larger families the region matched on the trials but not on the regimes, with why (a floored loss
     #: taken as its log-softmax): `fell back` lines of their own.
     declined: tuple[tuple[str, str], ...] = ()
+    #: A forward whose values ops outside every match read (a backward, by the look of it) where no backward
+    #: of its family was recognised: label smoothing written as two terms, an added z-loss.
+    backward_unmatched: bool = False
 
     @property
     def kind(self) -> str:

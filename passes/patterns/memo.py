@@ -63,6 +63,8 @@ class MatchCache:
 
     recipes: dict[tuple, Recipe | None] = field(factory=dict)
     keys: dict[Match, tuple] = field(factory=dict)
+    #: Attention confirmations by the structure of their ops (`attention.signature`).
+    attention: dict[tuple, Any] = field(factory=dict)
 
     def forward(self, region: Region) -> Match | None:
         key = ("forward", region.signature())

@@ -109,11 +109,10 @@ def find_matches(block: Block, cache: MatchCache) -> list[Match]:
         queue.extendleft(reversed([o for o in region.ops if o in seeds and o not in tried and o not in claimed]))
     for forward in [m for m in matches if m.direction == "forward"]:
         readers = _readers_outside(forward, claimed, order)
-        if readers:
+        if readers and not any(m.forward is forward for m in matches):
             region = grow(readers, forward.region.domain, order, free, blocked=claimed,
                           intermediate=intermediates.__contains__)
-            if region is not None:
-                confirm(_backward(region, forward_of, cache))
+            forward.backward_unmatched = region is None or not confirm(_backward(region, forward_of, cache))
     return sorted(matches, key=lambda m: order[m.slice[0]])
 
 
@@ -186,7 +185,7 @@ def plan_matches(block: Block, matches: list[Match], target: KernelTarget) -> li
         plan.reason = _static_reason(plan.match, target)
     while True:
         removed = {op for plan in plans if plan.taken for op in plan.match.slice}
-        doomed = _doomed(block, removed)
+        doomed = doomed_ops(block, removed)
         changed = False
         for plan in plans:
             if not plan.taken:
@@ -258,7 +257,7 @@ def storage(value: Value, target: KernelTarget) -> Value:
     return value
 
 
-def _doomed(block: Block, removed: set[Operation]) -> set[Operation]:
+def doomed_ops(block: Block, removed: set[Operation]) -> set[Operation]:
     """The ops replaced, and the pure ops that only they (transitively) read."""
     doomed = set(removed)
     for op in block.reversed_ops():

@@ -216,6 +216,8 @@ def test_the_bundled_gpt_trains_on_cuda_sim_from_the_command_line(tmp_path):
         assert done.returncode == 0, done.stderr
         found[device] = values(read_events(tmp_path / device / "events.jsonl"))
     assert "\n  stacking                  4, of 4, 2 or 1" in done.stderr and "Traceback" not in done.stderr
+    # issue 17: the attention is the fused kernels, forward and backward, and trains as the interpreter's.
+    assert "\n    attention          forward 2, backward 2 " in done.stderr, done.stderr
     assert sorted(found["cpu"]) == [("eval", 3), ("step", 1), ("step", 2), ("step", 3)]
     assert_close(found["cuda-sim"], found["cpu"])
 

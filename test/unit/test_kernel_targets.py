@@ -73,7 +73,7 @@ def test_the_cuda_target_answers_from_its_templates() -> None:
     layernorm = PatternKernel("row", "layernorm_backward", 768, {"weight": True, "bias": True})
     inputs, outputs = CUDA_TARGET.pattern_operands(layernorm)
     assert "dy" in inputs and "dx" in outputs
-    launches = CUDA_TARGET.pattern_launches(layernorm, {}, 8192)
+    launches = CUDA_TARGET.pattern_launches(layernorm, {}, {"rows": 8192})
     assert [step.name for step in launches.steps][0] == ""
     assert all(nbytes > 0 for nbytes in launches.scratch.values())
 

@@ -27,8 +27,14 @@ def test_facts_per_graph_and_family(lowered: CompilationUnit) -> None:
                                                                        "cross_entropy_forward_f32_256_mean_sum_reduce"],
         "fired": 1, "paths": ["model.proj"], "as": ["gather of log-probabilities, negated per row"], "fell_back": []}
     assert train["cross_entropy_backward"]["paths"] == ["model.proj"]
+    # Without `diagnose`, the model's observation of the probabilities stays in @train: attention falls back
+    # there, and the softmax is a row program (the training pipeline moves observations to @train_diagnosed).
     assert train["softmax"]["paths"] == ["model.blocks.0.attn", "model.blocks.1.attn"]
     assert train["softmax_backward"]["paths"] == ["model.blocks.1.attn", "model.blocks.0.attn"]
+    assert train["attention_forward"]["group"] == "attention"
+    assert train["attention_forward"]["fell_back"][0] == {
+        "path": "model.blocks.0.attn", "reason": "an observation (model.blocks.0.attn.probs) reads the probabilities",
+        "loc": "examples/lib/model.sx:13"}
     assert train["layernorm"] == {
         "group": "row programs", "direction": "forward", "kernels": ["layernorm_f32_128_stats"], "fired": 5,
         "paths": ["model.blocks.0.norm1", "model.blocks.0.norm2", "model.blocks.1.norm1", "model.blocks.1.norm2",
@@ -36,7 +42,8 @@ def test_facts_per_graph_and_family(lowered: CompilationUnit) -> None:
         "as": [], "fell_back": []}
     assert train["layernorm_backward"]["fired"] == 5
     evaluation = lowered.facts.lowering.patterns["eval"]
-    assert set(evaluation) == {"layernorm", "softmax", "cross_entropy_forward"}
+    assert set(evaluation) == {"layernorm", "attention_forward", "cross_entropy_forward"}
+    assert evaluation["attention_forward"]["fired"] == 2
     assert evaluation["layernorm"]["kernels"] == ["layernorm_f32_128"]
 
 

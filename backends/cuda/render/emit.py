@@ -61,6 +61,7 @@ BINDINGS: dict[str, Callable[[Operation], tuple[KernelSource, list[Any]]]] = {
     **{kind: _template_binding for kind in ("fill", "copy", "scatter_add")},
     "row": step_binding,
     "cross_entropy": step_binding,
+    "attention": step_binding,
 }
 
 
