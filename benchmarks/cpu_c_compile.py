@@ -30,6 +30,9 @@ def main() -> int:
     from sexpgpu.passes.manager import CompilationUnit, run_pipeline
     from sexpgpu.passes.pipelines import CPU_C_LOWERING, TRAINING_PIPELINE
 
+    from sexpgpu.targets import register_targets
+
+    register_targets()
     started = time.perf_counter()
     unit = run_pipeline(CompilationUnit(path=args.example, variant=args.variant), TRAINING_PIPELINE)
     lowered = time.perf_counter()
@@ -39,18 +42,18 @@ def main() -> int:
     rendered_at = time.perf_counter()
     compiler = host_compiler()
     print(f"model: {os.path.relpath(args.example, ROOT)}  ({rendered.kernels} kernels, {len(rendered.graphs)} graphs, "
-          f"{rendered.source.count(chr(10))} lines of C; {compiler.version if compiler else 'no compiler'})")
+          f"{rendered.lines} lines of C in {len(rendered.units)} units; {compiler.version if compiler else 'no compiler'})")
     print(f"training pipeline {lowered - started:6.2f} s   cpu-c lowering {rendering - lowered:6.2f} s   "
           f"render {rendered_at - rendering:6.2f} s")
     with tempfile.TemporaryDirectory(prefix="sexpgpu-cpu-c-bench-") as cache:
         os.environ["SEXPGPU_CACHE"] = cache
         before, children = time.perf_counter(), os.times()
-        _, cached = compile_shared(rendered.source)
+        _, cached = compile_shared(rendered.units)
         cold, cpu = time.perf_counter() - before, os.times()
         assert not cached
         compiler_cpu = (cpu.children_user - children.children_user) + (cpu.children_system - children.children_system)
         before = time.perf_counter()
-        _, cached = compile_shared(rendered.source)
+        _, cached = compile_shared(rendered.units)
         warm = time.perf_counter() - before
         assert cached
     print(f"compile cold {cold:6.2f} s wall ({compiler_cpu:.2f} s compiler CPU)   goal < 10 s")
