@@ -10,14 +10,18 @@ fast-math, so NaNs and infinities behave as numpy's).
   among OpenMP threads when the domain is large) around a loop over its innermost axis that the compiler
   vectorizes (`#pragma omp simd`: an output may be written over an input it reads through the identity map,
   which a vector of lanes reads before it writes).
-- `reduction`: the kept indices in blocks (one block an OpenMP iteration); within a block the reduced indices
-  in row-major order, so each result is a sequential f32 sum (64-bit for integers) whose order does not
-  depend on the thread count. A block holds one kept index when the reduced axes are innermost (a row per
-  iteration) and up to `KEPT_BLOCK` consecutive ones otherwise (a column sum walks the rows once, its inner
-  loop over contiguous columns). A reduction to one value of many elements adds fixed chunks of
-  `SCALAR_CHUNK` elements in parallel and then the chunk sums in order: the same result for any thread
-  count, and a more accurate one than one long sum.
-- `row` and `cross_entropy`: one row an iteration, each row's reductions sequential in f32; a norm's
+- `reduction`: the kept indices in blocks (one block an OpenMP iteration). When the reduced axes are
+  innermost a block is one kept index (a row) and its reduced indices go to `LANES` lanes in row-major order,
+  combined in a fixed tree (`lane_loops`): vectorized, in an order set by the sizes alone. Otherwise (a
+  column sum) a block is a run of consecutive kept indices, one run per thread and at least `KEPT_BLOCK`,
+  whose sums walk the rows once in order, the inner loop over contiguous columns: each result is a
+  sequential f32 sum (64-bit for integers) over the same rows whatever the blocks. A reduction to one value
+  of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel and then the chunk sums in
+  order: the same result for any thread count, and a more accurate one than one long sum.
+- guards: an operand read through a concat's or pad's range of the innermost axis splits that loop into
+  segments where each such operand is read unguarded or not at all (`FusedKernel._segments`), so the loop
+  vectorizes without masked loads.
+- `row` and `cross_entropy`: one row an iteration, each row's reductions in f32 lanes (`lane_loops`); a norm's
   backward writes the column sums of its rows into `partials` fixed chunks of rows (the partial rows the
   lowering planned), which its column-sum kernels then add in order.
 - `scatter_add`: each thread owns a range of columns and adds the source rows in index order.
@@ -38,7 +42,7 @@ from ...dialects.index_maps import Expr
 #: A loop over at least this many elements is split among OpenMP threads (below it, a parallel region's
 #: start costs more than the work).
 PARALLEL_FROM = 1 << 15
-#: Consecutive kept indices one iteration of a column-wise reduction owns.
+#: The fewest consecutive kept indices one iteration of a column-wise reduction owns.
 KEPT_BLOCK = 64
 #: The lanes of a reduction along a row (`lane_loops`): two AVX2 vectors of f32.
 LANES = 16

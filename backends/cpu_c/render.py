@@ -1,14 +1,16 @@
-"""The C translation unit of a lowered module: every kernel once, and one C function per graph.
+"""The C of a lowered module: every kernel once, and one C function per graph, in several translation units.
 
 After `CPU_C_LOWERING` (`match-patterns`, `fuse`, `plan-buffers`: the CUDA lowering's target-independent
 passes) a `graph.func` holds inputs, dense constants, free views, `kern.launch`es, `kern.gemm`s, its
 return and its emits. `render_module` writes
 
-- each `kern.kernel` as a `static void` function (`kernels.py`, `templates.py`);
+- each `kern.kernel` as a hidden `void` function (`kernels.py`, `templates.py`), the kernels spread over
+  units of about `KERNEL_UNIT_LINES` lines that the compiler builds in parallel;
 - each graph as `void sxg_<n>(char* const* base)`, the graph's launches and GEMMs in order, every operand a
   typed pointer `base[b] + offset` (`GraphLayout`: base 0 the activation arena `plan-buffers` laid out,
   1 the GEMM workspace, then the graph's inputs, its constants and the values it returns or emits). One
-  call of a graph is one call into C, as one replay of a captured graph is on the GPU;
+  call of a graph is one call into C, as one replay of a captured graph is on the GPU. The graph functions,
+  the GEMM calls and the kernels' prototypes are the first unit;
 - GEMMs as calls of the BLAS `cblas_sgemm` the executor hands over at load time (`sx_set_sgemm`: numpy's
   OpenBLAS), bf16 operands widened to f32 in the workspace, the bias added and the result rounded once.
 

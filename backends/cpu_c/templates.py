@@ -3,8 +3,9 @@
 A pattern kernel's symbol names its family, row length, options and operands (`match-patterns`, see
 `dialects/kern.py`); a family the lowering splits into steps (a norm's backward and its column sums, the
 cross-entropy losses and their sum) is one symbol a step, told apart by `step`. Each row is one iteration of
-an OpenMP loop (static schedule) whose reductions run over the row in order in f32, so a result does not
-depend on the thread count. The column sums of a norm's backward (its weight and bias gradients) go, as on
+an OpenMP loop (static schedule) whose reductions run over the row in f32 in 16 lanes combined in a fixed
+tree (`kernels.lane_loops`: vectorized, in an order set by the row length), so a result does not depend on
+the thread count. The column sums of a norm's backward (its weight and bias gradients) go, as on
 the GPU, through the partial rows the lowering planned: partial row p sums a fixed chunk of rows, and the
 column-sum step adds the partial rows in order.
 """
