@@ -40,6 +40,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-fno-math-e
          "-ffp-contract=off")
 LINK_FLAGS = ("-shared", "-fopenmp")
 CANDIDATES = ("cc", "gcc", "clang")
+#: How many times an idle OpenMP thread polls before it sleeps (libgomp's default is 300000, about a
+#: millisecond): a graph's next parallel loop comes within microseconds, while on a machine with more work
+#: than cores a thread that polls for a millisecond takes the core its team's other threads wait for.
+SPIN_COUNT = 10000
 #: What `--device cpu-c` says to install when no compiler is found.
 INSTALL_HINT = "install a C compiler with OpenMP (Debian/Ubuntu: apt-get install gcc; macOS: brew install gcc) or set CC"
 #: Bumped when the layout of a cached object changes.
@@ -131,6 +135,19 @@ def cache_key(units: Sequence[str], compiler: Compiler) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
+def load(path: Path) -> ctypes.CDLL:
+    """The shared object at `path`, loaded with `GOMP_SPINCOUNT` at `SPIN_COUNT` unless the user set how
+    OpenMP threads wait (libgomp reads it once, when it is first loaded: normally with the first object)."""
+    configured = any(name in os.environ for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"))
+    if not configured:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        if not configured:
+            del os.environ["GOMP_SPINCOUNT"]
+
+
 def compile_shared(units: Sequence[str], use_cache: bool = True) -> tuple[ctypes.CDLL, bool]:
     """The loaded shared object of the translation units `units` and whether it came from the cache (see
     the module docstring)."""
@@ -141,13 +158,13 @@ def compile_shared(units: Sequence[str], use_cache: bool = True) -> tuple[ctypes
     path = cache_root() / "cpu-c" / key[:2] / f"{key}.so"
     if use_cache and path.is_file():
         try:
-            return ctypes.CDLL(str(path)), True
+            return load(path), True
         except OSError:
             pass  # not whole (a crash mid-write cannot leave one: it is renamed in) or foreign: compile again
     with tempfile.TemporaryDirectory(prefix="sexpgpu-cpu-c-") as folder:
         built = _build(compiler, units, Path(folder))
         if not use_cache:
-            return ctypes.CDLL(str(built)), False
+            return load(built), False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -155,8 +172,8 @@ def compile_shared(units: Sequence[str], use_cache: bool = True) -> tuple[ctypes
             shutil.copyfile(built, temporary)
             os.replace(temporary, path)
         except OSError:
-            return ctypes.CDLL(str(built)), False  # an unwritable cache costs the next run a compile
-        return ctypes.CDLL(str(path)), False
+            return load(built), False  # an unwritable cache costs the next run a compile
+        return load(path), False
 
 
 def _build(compiler: Compiler, units: Sequence[str], folder: Path) -> Path:
