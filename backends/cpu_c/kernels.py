@@ -41,7 +41,7 @@ from ...dialects.index_maps import Expr
 
 #: A loop over at least this many elements is split among OpenMP threads (below it, a parallel region's
 #: start costs more than the work).
-PARALLEL_FROM = 1 << 15
+PARALLEL_FROM = 1 << 17
 #: The fewest consecutive kept indices one iteration of a column-wise reduction owns.
 KEPT_BLOCK = 64
 #: The lanes of a reduction along a row (`lane_loops`): two AVX2 vectors of f32.
