@@ -1,7 +1,7 @@
 """CPU training throughput: sexpgpu's interpreter (`cpu`) and compiled C (`cpu-c`) against PyTorch eager.
 
     python benchmarks/cpu_train.py [--example examples/gpt.sx] [--variant smoke] [--steps 10]
-                                   [--threads N] [--set KNOB=VALUE ...] [--no-profile]
+                                   [--threads N] [--set KNOB=VALUE ...] [--no-profile] [--cpu-c-profile]
 
 By default trains the spec GPT, `examples/gpt.sx --variant smoke` (batch 4,
 4 microbatches, 1040 tokens per step; `--example examples/tiny-gpt.sx
@@ -20,6 +20,9 @@ is the median over the timed steps (after one warm-up step), so one
 scheduling hiccup on a shared machine does not move the figure; the process
 CPU time of each step is shown too (with one thread it barely depends on
 what else the machine runs, so the CPU-time ratio is the steadier one there).
+`--cpu-c-profile` adds the process CPU time of each step of the C (GEMMs,
+kernels by kind, and the launch sequence's time outside them: Python and
+ctypes), from a separately compiled, profiled copy of the graphs.
 """
 
 from __future__ import annotations
@@ -103,6 +106,32 @@ def alternating(steppers: dict[str, object], steps: int) -> dict[str, tuple[floa
     return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in steppers}
 
 
+def print_cpu_c_profile(exp, threads: int, steps: int) -> None:
+    """Process CPU seconds of each step of the C per training step, summed by kind, the largest alone."""
+    from sexpgpu.backends.devices import open_device
+    from sexpgpu.backends.training import Trainer
+
+    executor = open_device("cpu-c", "benchmark", threads=threads, profiled=True)
+    trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None, executor=executor)
+    trainer.train_step(0)
+    before = executor.profile()
+    started = time.process_time()
+    for step in range(1, steps + 1):
+        trainer.train_step(step)
+    per_step = (time.process_time() - started) / steps
+    steps_seconds = {label: (seconds - before.get(label, 0.0)) / steps for label, seconds in executor.profile().items()}
+    by_kind: dict[str, float] = defaultdict(float)
+    for label, seconds in steps_seconds.items():
+        by_kind[label.split()[0]] += seconds
+    by_kind["outside the C (Python, ctypes)"] = per_step - sum(steps_seconds.values())
+    print(f"\ncpu-c profile of a training step ({per_step * 1000:.1f} ms CPU):")
+    for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:32} {seconds * 1000:8.2f} ms  {100 * seconds / per_step:5.1f}%")
+    print("the largest steps:")
+    for label, seconds in sorted(steps_seconds.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {label[:64]:64} {seconds * 1000:8.2f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
@@ -112,6 +141,7 @@ def main() -> int:
                         help="BLAS, OpenMP and torch threads of every side (default: the machine's cores)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the interpreter's op profile")
+    parser.add_argument("--cpu-c-profile", action="store_true", help="time each step of the C (compiles a profiled copy)")
     args = parser.parse_args()
     set_threads(args.threads)
 
@@ -159,6 +189,8 @@ def main() -> int:
         print(f"ratio interpreter/torch  {theirs / ours:.3f}  (by CPU time {theirs_cpu / ours_cpu:.3f})")
         print(f"ratio cpu-c/torch        {theirs / fast:.3f}  (by CPU time {theirs_cpu / fast_cpu:.3f})")
     print(f"ratio cpu-c/interpreter  {ours / fast:.3f}  (by CPU time {ours_cpu / fast_cpu:.3f})")
+    if args.cpu_c_profile:
+        print_cpu_c_profile(exp, args.threads, args.steps)
     if not args.profile:
         return 0
 

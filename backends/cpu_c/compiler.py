@@ -2,11 +2,12 @@
 
 - `host_compiler()`: `$CC`, else the first of `cc`, `gcc`, `clang` on the PATH that builds OpenMP code;
   `missing_compiler()` says in one line what to install when there is none (the `cpu-c` probe).
-- `compile_shared(source, name)`: the shared object of a translation unit, from the cache when it holds it
-  (`$SEXPGPU_CACHE/cpu-c/<key>.so`, key = hash of the source, the compiler's identity, the flags and the
-  host CPU, which `-march=native` compiles for), else compiled and stored whole (written beside, renamed
-  into place), as the NVRTC cache stores CUBINs (`backends/cuda/nvrtc.py`). A source the compiler rejects
-  is a `CCompileError` with its log.
+- `compile_shared(units)`: the shared object of a module's translation units, from the cache when it holds
+  it (`$SEXPGPU_CACHE/cpu-c/<key>.so`, key = hash of the units, the compiler's identity, the flags and the
+  host CPU, which `-march=native` compiles for), else each unit compiled to an object, as many compilers
+  at once as there are cores (a cold compile of a large model is bound by the biggest unit, not the sum),
+  linked, and stored whole (written beside, renamed into place), as the NVRTC cache stores CUBINs
+  (`backends/cuda/nvrtc.py`). A unit the compiler rejects is a `CCompileError` with its log.
 
 Flags: `-O3 -march=native -fopenmp` (what tinygrad's clang and Inductor's C++ use on a CPU), position
 independent, `-fno-math-errno` (a `sqrtf` is the instruction), `-fno-trapping-math` (no floating-point
@@ -18,6 +19,7 @@ No `-ffast-math`: NaNs, infinities and the order of sums stay as written.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -27,19 +29,25 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from attrs import frozen
 
 from ..cuda.nvrtc import cache_root
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off")
+LINK_FLAGS = ("-shared", "-fopenmp")
 CANDIDATES = ("cc", "gcc", "clang")
+#: How many times an idle OpenMP thread polls before it sleeps (libgomp's default is 300000, about a
+#: millisecond): a graph's next parallel loop comes within microseconds, while on a machine with more work
+#: than cores a thread that polls for a millisecond takes the core its team's other threads wait for.
+SPIN_COUNT = 10000
 #: What `--device cpu-c` says to install when no compiler is found.
 INSTALL_HINT = "install a C compiler with OpenMP (Debian/Ubuntu: apt-get install gcc; macOS: brew install gcc) or set CC"
 #: Bumped when the layout of a cached object changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 class CCompileError(Exception):
@@ -90,7 +98,7 @@ def _builds_openmp(path: str) -> bool:
         source = Path(folder) / "probe.c"
         source.write_text("#include <omp.h>\nint sx_probe(void) { return omp_get_max_threads(); }\n")
         try:
-            done = subprocess.run([path, *FLAGS, "-o", str(Path(folder) / "probe.so"), str(source)],
+            done = subprocess.run([path, *FLAGS, *LINK_FLAGS, "-o", str(Path(folder) / "probe.so"), str(source)],
                                   capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return False
@@ -121,33 +129,42 @@ def host_cpu() -> str:
     return f"{platform.machine()} {model} {flags}".strip()
 
 
-def cache_key(source: str, compiler: Compiler) -> str:
-    document = {"format": _CACHE_FORMAT, "source": source, "flags": list(FLAGS), "compiler": compiler.version,
+def cache_key(units: Sequence[str], compiler: Compiler) -> str:
+    document = {"format": _CACHE_FORMAT, "units": list(units), "flags": list(FLAGS), "compiler": compiler.version,
                 "compiler_path": compiler.path, "cpu": host_cpu()}
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
-def compile_shared(source: str, use_cache: bool = True) -> tuple[ctypes.CDLL, bool]:
-    """The loaded shared object of `source` and whether it came from the cache (see the module docstring)."""
+def load(path: Path) -> ctypes.CDLL:
+    """The shared object at `path`, loaded with `GOMP_SPINCOUNT` at `SPIN_COUNT` unless the user set how
+    OpenMP threads wait (libgomp reads it once, when it is first loaded: normally with the first object)."""
+    configured = any(name in os.environ for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"))
+    if not configured:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        if not configured:
+            del os.environ["GOMP_SPINCOUNT"]
+
+
+def compile_shared(units: Sequence[str], use_cache: bool = True) -> tuple[ctypes.CDLL, bool]:
+    """The loaded shared object of the translation units `units` and whether it came from the cache (see
+    the module docstring)."""
     compiler = host_compiler()
     if compiler is None:
         raise RuntimeError(missing_compiler())
-    key = cache_key(source, compiler)
+    key = cache_key(units, compiler)
     path = cache_root() / "cpu-c" / key[:2] / f"{key}.so"
     if use_cache and path.is_file():
         try:
-            return ctypes.CDLL(str(path)), True
+            return load(path), True
         except OSError:
             pass  # not whole (a crash mid-write cannot leave one: it is renamed in) or foreign: compile again
     with tempfile.TemporaryDirectory(prefix="sexpgpu-cpu-c-") as folder:
-        c_file = Path(folder) / "kernels.c"
-        c_file.write_text(source)
-        built = Path(folder) / "kernels.so"
-        done = subprocess.run([compiler.path, *FLAGS, "-o", str(built), str(c_file)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise CCompileError(Path(compiler.path).name, done.stderr or done.stdout)
+        built = _build(compiler, units, Path(folder))
         if not use_cache:
-            return ctypes.CDLL(str(built)), False
+            return load(built), False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -155,5 +172,31 @@ def compile_shared(source: str, use_cache: bool = True) -> tuple[ctypes.CDLL, bo
             shutil.copyfile(built, temporary)
             os.replace(temporary, path)
         except OSError:
-            return ctypes.CDLL(str(built)), False  # an unwritable cache costs the next run a compile
-        return ctypes.CDLL(str(path)), False
+            return load(built), False  # an unwritable cache costs the next run a compile
+        return load(path), False
+
+
+def _build(compiler: Compiler, units: Sequence[str], folder: Path) -> Path:
+    """Compile each unit to an object (as many compilers at once as there are cores) and link them."""
+    objects = []
+    for number, unit in enumerate(units):
+        (folder / unit_file(number)).write_text(unit)
+        objects.append(folder / f"unit{number}.o")
+    jobs = [[compiler.path, *FLAGS, "-c", "-o", str(obj), str(folder / unit_file(number))]
+            for number, obj in enumerate(objects)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        done = list(pool.map(lambda job: subprocess.run(job, capture_output=True, text=True), jobs))
+    for outcome in done:
+        if outcome.returncode != 0:
+            raise CCompileError(Path(compiler.path).name, outcome.stderr or outcome.stdout)
+    built = folder / "kernels.so"
+    linked = subprocess.run([compiler.path, *LINK_FLAGS, "-o", str(built), *map(str, objects)], capture_output=True,
+                            text=True)
+    if linked.returncode != 0:
+        raise CCompileError(Path(compiler.path).name, linked.stderr or linked.stdout)
+    return built
+
+
+def unit_file(number: int) -> str:
+    """The file name translation unit `number` is compiled from (what the compiler's messages name)."""
+    return f"unit{number}.c"

@@ -38,9 +38,9 @@ from .blas import numpy_blas
 from .compiler import CCompileError, compile_shared, host_compiler, host_cpu
 from .render import GraphLayout, Named, Place, aligned, numpy_dtype, render_module
 
-#: Bindings of one graph kept per distinct set of array addresses (the driver uses one or two).
+#: Bindings of one graph kept per distinct set of arrays (the driver uses one or two).
 BINDINGS_KEPT = 4
-_ERROR_LINE = re.compile(r"kernels\.c:(\d+):\d+: error")
+_ERROR_LINE = re.compile(r"unit(\d+)\.c:(\d+):\d+: error")
 
 
 def thread_count(threads: int | None = None) -> int:
@@ -62,8 +62,10 @@ class LoweredModule:
     """A module after the cpu-c lowering: its graphs' layouts, its facts, its loaded shared object."""
 
     def __init__(self, module: Operation, facts: dict[str, Any], library: ctypes.CDLL, layouts: dict[str, GraphLayout],
-                 from_cache: bool) -> None:
+                 files: int, from_cache: bool) -> None:
         self.module = module
+        #: The translation units its C was compiled from.
+        self.files = files
         self.facts = facts
         self.library = library
         self.layouts = layouts
@@ -141,10 +143,10 @@ class CpuCExecutor(HostArrays, Executor):
         unit = run_pipeline(CompilationUnit(module=module), CPU_C_LOWERING)
         rendered = render_module(module, self.profiled)
         try:
-            library, from_cache = compile_shared(rendered.source)
+            library, from_cache = compile_shared(rendered.units)
         except CCompileError as err:
             match = _ERROR_LINE.search(err.log)
-            located = rendered.kernel_at(int(match.group(1))) if match else None
+            located = rendered.kernel_at(int(match.group(1)), int(match.group(2))) if match else None
             if located is not None and located[0]:
                 raise err.at(f"@{located[0]}", located[1]) from None
             raise
@@ -152,7 +154,7 @@ class CpuCExecutor(HostArrays, Executor):
         library.sx_set_blas(self.blas.sgemm, self.blas.get_threads, self.blas.set_threads)
         library.sx_set_threads.argtypes = [ctypes.c_int]
         library.sx_set_threads(self.threads)
-        lowered = LoweredModule(module, unit.facts, library, rendered.graphs, from_cache)
+        lowered = LoweredModule(module, unit.facts, library, rendered.graphs, len(rendered.units), from_cache)
         self.lowerings.append(lowered)
         return lowered
 
@@ -186,7 +188,8 @@ class CpuCExecutor(HostArrays, Executor):
         words = compiler.version.split() if compiler is not None else ["?"]
         compiled = {"compiler": f"{words[0]} {words[-1]}",
                     "kernels": sum(1 for op in self.experiment.module.body.ops if op.name == "kern.kernel"),
-                    "functions": len(self.experiment.layouts), "from_cache": self.experiment.from_cache}
+                    "functions": len(self.experiment.layouts), "files": self.experiment.files,
+                    "from_cache": self.experiment.from_cache}
         document = lowering_document(self.experiment.module, self.experiment.facts, host_cpu().split(" ")[0],
                                      self.device, compiled=compiled,
                                      launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
@@ -238,7 +241,8 @@ class CpuCExecutable:
         self._constants = [np.ascontiguousarray(c) for c in layout.constants]
         #: The executable's own arrays for the values it returns or emits, unless written into `out`.
         self._slots = [np.zeros(e.type.shape, numpy_dtype(e.type.dtype)) for e in layout.externals]
-        self._bindings: dict[tuple, Any] = {}
+        self._bindings: dict[tuple, _Binding] = {}
+        self._output_set = frozenset(self.output_names)
 
     @property
     def output_names(self) -> list[str]:
@@ -247,22 +251,40 @@ class CpuCExecutable:
     def __call__(self, inputs: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> CpuCResult:
         out = dict(out or {})
         arrays = [self._checked_input(spec, inputs) for spec in self.inputs]
-        for name in out:
-            if name not in self.output_names:
-                raise ValueError(f"graph @{self.name} has no output {name!r}")
+        executor = self.executor
+        # The same array objects as an earlier call (a training step's are): its binding. Keyed by identity,
+        # which the binding's references to them keep unique; reading an array's address costs more.
+        key = (id(executor._arena), id(executor._workspace), *map(id, arrays),
+               *(id(out.get(name)) for name in self.output_names))
+        for name in out.keys() - self._output_set:
+            raise ValueError(f"graph @{self.name} has no output {name!r}")
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bind(arrays, out)
+            if len(self._bindings) >= BINDINGS_KEPT:
+                self._bindings.pop(next(iter(self._bindings)))
+            self._bindings[key] = binding
+        self.function(binding.bases)
+        return self._finish(binding, out)
+
+    def _bind(self, arrays: list[np.ndarray], out: dict[str, np.ndarray]) -> _Binding:
         storage = self._external_storage(arrays, out)
         executor = self.executor
         addresses = (executor._arena.ctypes.data, executor._workspace.ctypes.data,
                      *(a.ctypes.data for a in arrays), *(c.ctypes.data for c in self._constants),
                      *(s.ctypes.data for s in storage))
-        bases = self._bindings.get(addresses)
-        if bases is None:
-            bases = (ctypes.c_void_p * len(addresses))(*addresses)
-            if len(self._bindings) >= BINDINGS_KEPT:
-                self._bindings.pop(next(iter(self._bindings)))
-            self._bindings[addresses] = bases
-        self.function(bases)
-        return self._finish(arrays, storage, out)
+        outputs = []
+        for output in self.layout.outputs:
+            value = self._value(output, arrays, storage)
+            target = out.get(output.name)
+            if target is not None and (target.shape != value.shape or target.dtype != value.dtype):
+                raise ValueError(f"out array for {output.name!r} of @{self.name} is {target.dtype}"
+                                 f"{list(target.shape)}, not {output.type}")
+            written = target is not None and target.ctypes.data == value.ctypes.data
+            outputs.append((output.name, value, written))
+        emits = [(emit, self._value(emit, arrays, storage)) for emit in self.layout.emits]
+        kept = (executor._arena, executor._workspace, arrays, out)
+        return _Binding((ctypes.c_void_p * len(addresses))(*addresses), outputs, emits, kept)
 
     def _checked_input(self, spec: _Input, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         if spec.name not in inputs:
@@ -307,25 +329,20 @@ class CpuCExecutable:
                 return False
         return True
 
-    def _finish(self, arrays: list[np.ndarray], storage: list[np.ndarray], out: dict[str, np.ndarray]) -> CpuCResult:
+    def _finish(self, binding: _Binding, out: dict[str, np.ndarray]) -> CpuCResult:
         """Outputs into the caller's arrays where they were not written there; fresh copies of the rest."""
         outputs: dict[str, np.ndarray] = {}
-        for output in self.layout.outputs:
-            value = self._value(output, arrays, storage)
-            target = out.get(output.name)
+        for name, value, written in binding.outputs:
+            target = out.get(name)
             if target is None:
-                outputs[output.name] = value.copy()
+                outputs[name] = value.copy()
                 continue
-            if target.shape != value.shape or target.dtype != value.dtype:
-                raise ValueError(f"out array for {output.name!r} of @{self.name} is {target.dtype}"
-                                 f"{list(target.shape)}, not {output.type}")
-            if target.ctypes.data != value.ctypes.data:
+            if not written:
                 np.copyto(target, value)
-            outputs[output.name] = target
+            outputs[name] = target
         emitted: dict[str, dict[str, Any]] = {"metrics": {}, "counters": {}, "observed": {}}
-        for emit in self.layout.emits:
-            value = self._value(emit, arrays, storage).copy()
-            emitted[emit.collection][emit.name] = float(value) if emit.collection == "metrics" else value
+        for emit, value in binding.emits:
+            emitted[emit.collection][emit.name] = float(value) if emit.collection == "metrics" else value.copy()
         return CpuCResult(outputs, emitted["metrics"], emitted["counters"], emitted["observed"])
 
     def _value(self, named: Named, arrays: list[np.ndarray], storage: list[np.ndarray]) -> np.ndarray:
@@ -337,6 +354,19 @@ class CpuCExecutable:
         dtype = numpy_dtype(named.type.dtype)
         raw = whole.reshape(-1).view(np.uint8)[place.offset:place.offset + named.type.numel * dtype.itemsize]
         return raw.view(dtype).reshape(named.type.shape)
+
+
+class _Binding:
+    """A graph's call with given arrays: the base addresses the C takes, each output's value (a view) and
+    whether it is written straight into the caller's array, each emit's value; `kept` holds the arrays the
+    binding's key names by identity, so that identity is not reused while the binding is."""
+
+    def __init__(self, bases: Any, outputs: list[tuple[str, np.ndarray, bool]], emits: list[tuple[Named, np.ndarray]],
+                 kept: tuple) -> None:
+        self.bases = bases
+        self.outputs = outputs
+        self.emits = emits
+        self.kept = kept
 
 
 class _Input:

@@ -10,14 +10,18 @@ fast-math, so NaNs and infinities behave as numpy's).
   among OpenMP threads when the domain is large) around a loop over its innermost axis that the compiler
   vectorizes (`#pragma omp simd`: an output may be written over an input it reads through the identity map,
   which a vector of lanes reads before it writes).
-- `reduction`: the kept indices in blocks (one block an OpenMP iteration); within a block the reduced indices
-  in row-major order, so each result is a sequential f32 sum (64-bit for integers) whose order does not
-  depend on the thread count. A block holds one kept index when the reduced axes are innermost (a row per
-  iteration) and up to `KEPT_BLOCK` consecutive ones otherwise (a column sum walks the rows once, its inner
-  loop over contiguous columns). A reduction to one value of many elements adds fixed chunks of
-  `SCALAR_CHUNK` elements in parallel and then the chunk sums in order: the same result for any thread
-  count, and a more accurate one than one long sum.
-- `row` and `cross_entropy`: one row an iteration, each row's reductions sequential in f32; a norm's
+- `reduction`: the kept indices in blocks (one block an OpenMP iteration). When the reduced axes are
+  innermost a block is one kept index (a row) and its reduced indices go to `LANES` lanes in row-major order,
+  combined in a fixed tree (`lane_loops`): vectorized, in an order set by the sizes alone. Otherwise (a
+  column sum) a block is a run of consecutive kept indices, one run per thread and at least `KEPT_BLOCK`,
+  whose sums walk the rows once in order, the inner loop over contiguous columns: each result is a
+  sequential f32 sum (64-bit for integers) over the same rows whatever the blocks. A reduction to one value
+  of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel and then the chunk sums in
+  order: the same result for any thread count, and a more accurate one than one long sum.
+- guards: an operand read through a concat's or pad's range of the innermost axis splits that loop into
+  segments where each such operand is read unguarded or not at all (`FusedKernel._segments`), so the loop
+  vectorizes without masked loads.
+- `row` and `cross_entropy`: one row an iteration, each row's reductions in f32 lanes (`lane_loops`); a norm's
   backward writes the column sums of its rows into `partials` fixed chunks of rows (the partial rows the
   lowering planned), which its column-sum kernels then add in order.
 - `scatter_add`: each thread owns a range of columns and adds the source rows in index order.
@@ -27,7 +31,7 @@ fast-math, so NaNs and infinities behave as numpy's).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,9 +41,11 @@ from ...dialects.index_maps import Expr
 
 #: A loop over at least this many elements is split among OpenMP threads (below it, a parallel region's
 #: start costs more than the work).
-PARALLEL_FROM = 1 << 15
-#: Consecutive kept indices one iteration of a column-wise reduction owns.
+PARALLEL_FROM = 1 << 17
+#: The fewest consecutive kept indices one iteration of a column-wise reduction owns.
 KEPT_BLOCK = 64
+#: The lanes of a reduction along a row (`lane_loops`): two AVX2 vectors of f32.
+LANES = 16
 #: A reduction to one value of more elements than this adds chunks of this many in parallel.
 SCALAR_CHUNK = 4096
 
@@ -69,6 +75,13 @@ static inline uint16_t sx_f32_bf16(float f) {
 static inline float sx_round_bf16(float f) { return sx_bf16_f32(sx_f32_bf16(f)); }
 static inline float sx_fmax(float a, float b) { return (a > b || a != a) ? a : b; }
 static inline float sx_fmin(float a, float b) { return (a < b || a != a) ? a : b; }
+static inline long long sx_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 static inline long long sx_imax(long long a, long long b) { return a > b ? a : b; }
 static inline long long sx_imin(long long a, long long b) { return a < b ? a : b; }
 
@@ -119,7 +132,7 @@ _BINARY = {"graph.add": "({0} + {1})", "graph.sub": "({0} - {1})", "graph.mul": 
            "graph.div": "({0} / {1})", "graph.pow": "powf({0}, {1})", "graph.eq": "({0} == {1})",
            "graph.ne": "({0} != {1})", "graph.lt": "({0} < {1})", "graph.le": "({0} <= {1})",
            "graph.gt": "({0} > {1})", "graph.ge": "({0} >= {1})"}
-_FLOAT_IDENTITY = {"sum": "0.0f", "max": "-INFINITY", "min": "INFINITY"}
+FLOAT_IDENTITY = {"sum": "0.0f", "max": "-INFINITY", "min": "INFINITY"}
 _INT_IDENTITY = {"sum": "0", "max": "(-0x7fffffffffffffffLL - 1)", "min": "0x7fffffffffffffffLL"}
 
 
@@ -201,7 +214,42 @@ def parallel_for(count: str | int, work: int) -> str:
     return f"#pragma omp parallel for schedule(static) if({work} >= {PARALLEL_FROM})"
 
 
-class _Writer:
+def combined(which: str, integral: bool, a: str, b: str) -> str:
+    """C combining two partial results of a `sum`, `max` or `min` reduction."""
+    return f"{a} + {b}" if which == "sum" else f"sx_{'i' if integral else 'f'}{which}({a}, {b})"
+
+
+def lane_loops(w: Writer, index: str, count: int, lanes: Sequence[tuple[str, str, str, str, bool]],
+               element: Callable[[Writer], None]) -> None:
+    """A reduction over `count` elements in `LANES` lanes: element `index` goes to lane `l = index % LANES`
+    of each array in `lanes` ((name, C type, identity, sum/max/min, integral)); `element` writes the C of one
+    element (using `index` and `l`). The lanes are then combined pairwise in a fixed tree into `name[0]`.
+    The order depends on `count` alone, so not on the thread count, and the loop over a vector of lanes
+    vectorizes where one sequential f32 sum cannot without changing its order."""
+    for name, ctype, identity, _, _ in lanes:
+        w.line(f"{ctype} {name}[{LANES}];")
+        w.line(f"for (int l = 0; l < {LANES}; ++l) {name}[l] = {identity};")
+    full = count // LANES * LANES
+    if full:
+        w.open(f"for (long long {index}_l = 0; {index}_l < {full}LL; {index}_l += {LANES})")
+        w.line("#pragma omp simd")
+        w.open(f"for (int l = 0; l < {LANES}; ++l)")
+        w.line(f"const long long {index} = {index}_l + l;")
+        element(w)
+        w.close()
+        w.close()
+    if count > full:
+        w.open(f"for (int l = 0; l < {count - full}; ++l)")
+        w.line(f"const long long {index} = {full}LL + l;")
+        element(w)
+        w.close()
+    w.open(f"for (int width = {LANES // 2}; width > 0; width /= 2)")
+    for name, _, _, which, integral in lanes:
+        w.line(f"for (int l = 0; l < width; ++l) {name}[l] = {combined(which, integral, f'{name}[l]', f'{name}[l + width]')};")
+    w.close()
+
+
+class Writer:
     def __init__(self, depth: int = 1) -> None:
         self.lines: list[str] = []
         self.depth = depth
@@ -221,7 +269,7 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def _decompose(w: _Writer, flat: str, axes: Sequence[int], domain: Sequence[int], prefix: str) -> None:
+def _decompose(w: Writer, flat: str, axes: Sequence[int], domain: Sequence[int], prefix: str) -> None:
     """Declare `i<axis>` for `axes` (row-major) from the linear index `flat`."""
     if not axes:
         return
@@ -269,9 +317,11 @@ class FusedKernel:
             self.yielded = list(block.last_op.operands)
         self.names: dict[Value, str] = {}
         self.count = 0
+        #: Inputs whose guards hold (True) or fail (False) in the whole loop segment being written.
+        self.known_guards: dict[int, bool] = {}
 
     def code(self) -> str:
-        w = _Writer()
+        w = Writer()
         if self.reduce_axes:
             self._reduction(w)
         else:
@@ -280,7 +330,7 @@ class FusedKernel:
 
     # -- pieces ---------------------------------------------------------------------------------------
 
-    def _load(self, w: _Writer, k: int) -> None:
+    def _load(self, w: Writer, k: int) -> None:
         """Declare `a<k>`: input k's element at the current index (NaN, or the pad's fill, outside)."""
         t = self.inputs[k]
         attribute = self.map_attributes[k]
@@ -291,15 +341,19 @@ class FusedKernel:
             w.line(f"long long {name} = (long long)a{g.source};")
             w.line(f"if ({name} < 0) {name} += {g.dim}LL;")
             checks.append(f"({name} >= 0 && {name} < {g.dim}LL)")
-        for guard_attribute, size in attribute.get("guards", ()):
+        known = self.known_guards.get(k)
+        vt = VALUE[t.dtype]
+        if known is False:  # outside the pad's or concat's range in this whole loop segment
+            w.line(f"const {vt} a{k} = {literal(attribute['fill'], t.dtype)};")
+            return
+        for guard_attribute, size in attribute.get("guards", ()) if known is None else ():
             guard = index_code(Expr.from_attribute(self.domain, guard_attribute))
             checks.append(f"((unsigned long long)({guard}) < {size}ULL)")
         read = load(t.dtype, f"in{k}", index_code(self.maps[k], gathered))
-        vt = VALUE[t.dtype]
         if not checks:
             w.line(f"const {vt} a{k} = {read};")
             return
-        if "guards" in attribute:
+        if "guards" in attribute and known is None:
             missing = literal(attribute["fill"], t.dtype)
         else:
             missing = "NAN" if t.dtype in FLOATS else "0"
@@ -313,7 +367,7 @@ class FusedKernel:
             found |= {g.source for g in self.maps[k].gathers}
         return sorted(found)
 
-    def _ops(self, w: _Writer, ops: Iterable[Operation]) -> None:
+    def _ops(self, w: Writer, ops: Iterable[Operation]) -> None:
         for op in ops:
             if op.name == "kern.reduce":
                 continue
@@ -361,12 +415,12 @@ class FusedKernel:
             return f"({VALUE[dtype]}){value}"
         raise UnsupportedKernel(f"kernel {self.symbol}: no C for '{name}'")
 
-    def _store(self, w: _Writer, k: int, value: str, at: str) -> None:
+    def _store(self, w: Writer, k: int, value: str, at: str) -> None:
         w.line(store(self.outputs[k].dtype, f"out{k}", at, value))
 
     # -- element-wise -----------------------------------------------------------------------------------
 
-    def _flat(self, w: _Writer) -> None:
+    def _flat(self, w: Writer) -> None:
         domain = self.domain
         total = math.prod(domain)
         if not domain:
@@ -391,11 +445,34 @@ class FusedKernel:
         for k in loads_at[1]:
             self._load(w, k)
         self._ops(w, ops_at[1])
-        w.line("#pragma omp simd")
-        w.open(f"for (long long i{last} = 0; i{last} < {domain[last]}LL; ++i{last})")
-        self._element(w, f"o * {domain[last]}LL + i{last}", ops_at[2], loads_at[2])
+        for low, high, known in self._segments(last, loads_at[2]):
+            self.known_guards = known
+            w.line("#pragma omp simd")
+            w.open(f"for (long long i{last} = {low}; i{last} < {high}LL; ++i{last})")
+            self._element(w, f"o * {domain[last]}LL + i{last}", ops_at[2], loads_at[2])
+            w.close()
+        self.known_guards = {}
         w.close()
-        w.close()
+
+    def _segments(self, axis: int, loaded: Iterable[int]) -> list[tuple[int, int, dict[int, bool]]]:
+        """The loop over `axis` cut where the guards of the `loaded` inputs change, when each guard is a
+        range of that axis alone (a concat's or pad's operand along it): (start, end, input -> whether its
+        guards hold) per segment, so a segment reads each operand unguarded or not at all and its inner
+        loop vectorizes. One segment with nothing known otherwise."""
+        size = self.domain[axis]
+        ranges: dict[int, tuple[int, int]] = {}
+        for k in loaded:
+            low, high = 0, size
+            for guard_attribute, extent in self.map_attributes[k].get("guards", ()):
+                expr = Expr.from_attribute(self.domain, guard_attribute)
+                if expr.gathers or [(t.axis, t.div, t.mod, t.coeff) for t in expr.terms] != [(axis, 1, 0, 1)]:
+                    return [(0, size, {})]
+                low, high = max(low, -expr.const), min(high, extent - expr.const)
+            if "guards" in self.map_attributes[k]:
+                ranges[k] = (low, max(low, high))
+        points = sorted({0, size, *(min(max(b, 0), size) for r in ranges.values() for b in r)})
+        return [(a, b, {k: low <= a and b <= high for k, (low, high) in ranges.items()})
+                for a, b in zip(points, points[1:])]
 
     def _levels_along(self, last: int) -> tuple[dict[int, int], dict[Operation, int]]:
         """How often each input's load and each body op must be made: 0 once, 1 once per outer index (it
@@ -420,7 +497,7 @@ class FusedKernel:
                 ops[op] = max([0, *(loads[self.args[v]] if v in self.args else ops[v.op] for v in op.operands)])
         return loads, ops
 
-    def _element(self, w: _Writer, flat: str, ops: list[Operation], loads: list[int]) -> None:
+    def _element(self, w: Writer, flat: str, ops: list[Operation], loads: list[int]) -> None:
         for k in loads:
             self._load(w, k)
         self._ops(w, ops)
@@ -454,7 +531,7 @@ class FusedKernel:
                 wanted.update(op.operands)
         return list(reversed(chosen))
 
-    def _reduction(self, w: _Writer) -> None:
+    def _reduction(self, w: Writer) -> None:
         domain = self.domain
         kept = [d for d in range(len(domain)) if d not in self.reduce_axes]
         reduced = list(self.reduce_axes)
@@ -471,35 +548,57 @@ class FusedKernel:
         full_outputs = [v for v in self.yielded if v not in after]
         chunked = kept_count == 1 and reduced_count > SCALAR_CHUNK and not full_outputs
         column_wise = bool(kept) and max(kept) == len(domain) - 1 and kept_count > 1
-        block = min(KEPT_BLOCK, kept_count) if column_wise else 1
-        blocks = -(-kept_count // block)
+        work = kept_count * reduced_count
+        if column_wise:
+            # One block of consecutive kept indices per thread (at least `KEPT_BLOCK`), so each walks whole
+            # runs of the rows; a kept index's sum is over the same rows in the same order in any block.
+            w.line(f"const long long threads = {work}LL >= {PARALLEL_FROM}LL ? sx_threads() : 1;")
+            w.line(f"long long block = ((({kept_count}LL + threads - 1) / threads) + 15) / 16 * 16;")
+            w.line(f"if (block < {min(KEPT_BLOCK, kept_count)}LL) block = {min(KEPT_BLOCK, kept_count)}LL;")
+            w.line(f"const long long blocks = ({kept_count}LL + block - 1) / block;")
+            block, blocks = "block", "blocks"
+        else:
+            block, blocks = "1LL", f"{kept_count}LL"
         if not chunked:  # a chunked sum is parallel inside (OpenMP does not nest)
-            w.line(parallel_for(blocks, kept_count * reduced_count))
-        w.open(f"for (long long kb = 0; kb < {blocks}LL; ++kb)")
-        w.line(f"const long long k0 = kb * {block}LL;")
-        w.line(f"const long long k1 = k0 + {block}LL < {kept_count}LL ? k0 + {block}LL : {kept_count}LL;")
+            w.line(parallel_for(blocks, work))
+        w.open(f"for (long long kb = 0; kb < {blocks}; ++kb)")
+        w.line(f"const long long k0 = kb * {block};")
+        w.line(f"const long long k1 = k0 + {block} < {kept_count}LL ? k0 + {block} : {kept_count}LL;")
         for j, (vt, op, integral) in enumerate(accumulators):
-            identity = (_INT_IDENTITY if integral else _FLOAT_IDENTITY)[op]
-            w.line(f"{vt} acc{j}[{block}];")
-            w.line(f"for (int b = 0; b < {block}; ++b) acc{j}[b] = {identity};")
+            identity = (_INT_IDENTITY if integral else FLOAT_IDENTITY)[op]
+            if column_wise:
+                w.line(f"{vt}* acc{j} = ({vt}*)malloc(block * sizeof({vt}));")
+            else:
+                w.line(f"{vt} acc{j}[1];")
+            w.line(f"for (long long b = 0; b < {block}; ++b) acc{j}[b] = {identity};")
         if chunked:
             self._chunked_sums(w, accumulators, reductions, prologue, reduced, reduced_count)
+        elif not column_wise and reduced_count >= LANES:
+            self._lane_sums(w, accumulators, reductions, prologue, reduced, kept, full_outputs, full_flat, after)
         else:
             w.open(f"for (long long r = 0; r < {reduced_count}LL; ++r)")
             _decompose(w, "r", reduced, domain, "r_")
-            if column_wise:
-                w.line("#pragma omp simd")
-            w.open("for (long long k = k0; k < k1; ++k)")
-            _decompose(w, "k", kept, domain, "k_")
-            for k in self._inputs_of(prologue + reductions, full_outputs):
-                self._load(w, k)
-            self._ops(w, prologue)
-            for j, op in enumerate(reductions):
-                self._accumulate(w, j, accumulators[j], op, "k - k0")
-            for k, v in enumerate(self.yielded):
-                if v not in after:
-                    self._store(w, k, self._arg(v), full_flat)
-            w.close()
+            loaded = self._inputs_of(prologue + reductions, full_outputs)
+            segments = self._segments(kept[0], loaded) if column_wise and len(kept) == 1 else [(0, kept_count, {})]
+            for low, high, known in segments:
+                self.known_guards = known
+                if column_wise:
+                    w.line("#pragma omp simd")
+                if len(segments) == 1:
+                    w.open("for (long long k = k0; k < k1; ++k)")
+                else:
+                    w.open(f"for (long long k = k0 > {low}LL ? k0 : {low}LL; k < (k1 < {high}LL ? k1 : {high}LL); ++k)")
+                _decompose(w, "k", kept, domain, "k_")
+                for k in loaded:
+                    self._load(w, k)
+                self._ops(w, prologue)
+                for j, op in enumerate(reductions):
+                    self._accumulate(w, j, accumulators[j], op, "k - k0")
+                for k, v in enumerate(self.yielded):
+                    if v not in after:
+                        self._store(w, k, self._arg(v), full_flat)
+                w.close()
+            self.known_guards = {}
             w.close()
         w.open("for (long long k = k0; k < k1; ++k)")
         _decompose(w, "k", kept, domain, "k_")
@@ -518,17 +617,42 @@ class FusedKernel:
                 self._store(w, k, self._arg(v), "k")
         self.names = saved
         w.close()
+        if column_wise:
+            for j in range(len(accumulators)):
+                w.line(f"free(acc{j});")
         w.close()
 
-    def _accumulate(self, w: _Writer, j: int, accumulator: tuple[str, str, bool], op: Operation, at: str) -> None:
+    def _accumulate(self, w: Writer, j: int, accumulator: tuple[str, str, bool], op: Operation, at: str,
+                    array: str = "acc") -> None:
         vt, which, integral = accumulator
-        value = f"({vt}){self._arg(op.operands[0])}"
-        if which == "sum":
-            w.line(f"acc{j}[{at}] += {value};")
-        else:
-            w.line(f"acc{j}[{at}] = sx_{'i' if integral else 'f'}{which}(acc{j}[{at}], {value});")
+        w.line(f"{array}{j}[{at}] = {combined(which, integral, f'{array}{j}[{at}]', f'({vt}){self._arg(op.operands[0])}')};")
 
-    def _chunked_sums(self, w: _Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
+    def _lane_sums(self, w: Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
+                   prologue: list[Operation], reduced: list[int], kept: list[int], full_outputs: list[Value | int],
+                   full_flat: str, after: set[Value]) -> None:
+        """One kept index, its reduced ones in `LANES` lanes (`lane_reduction`), into `acc<j>[0]`."""
+        domain = self.domain
+
+        def element(w: Writer) -> None:
+            _decompose(w, "r", reduced, domain, "r_")
+            _decompose(w, "k0", kept, domain, "k_")
+            for k in self._inputs_of(prologue + reductions, full_outputs):
+                self._load(w, k)
+            self._ops(w, prologue)
+            for j, op in enumerate(reductions):
+                self._accumulate(w, j, accumulators[j], op, "l", "lanes")
+            for k, v in enumerate(self.yielded):
+                if v not in after:
+                    self._store(w, k, self._arg(v), full_flat)
+
+        count = math.prod(domain[d] for d in reduced)
+        lanes = [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
+                 for j, (vt, which, integral) in enumerate(accumulators)]
+        lane_loops(w, "r", count, lanes, element)
+        for j in range(len(accumulators)):
+            w.line(f"acc{j}[0] = lanes{j}[0];")
+
+    def _chunked_sums(self, w: Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
                       prologue: list[Operation], reduced: list[int], count: int) -> None:
         """One kept index, many reduced ones: fixed chunks reduced in parallel, then combined in order."""
         chunks = -(-count // SCALAR_CHUNK)
@@ -537,7 +661,7 @@ class FusedKernel:
         w.line(parallel_for(chunks, count))
         w.open(f"for (long long c = 0; c < {chunks}LL; ++c)")
         for j, (vt, which, integral) in enumerate(accumulators):
-            w.line(f"{vt} sum{j}[1] = {{{(_INT_IDENTITY if integral else _FLOAT_IDENTITY)[which]}}};")
+            w.line(f"{vt} sum{j}[1] = {{{(_INT_IDENTITY if integral else FLOAT_IDENTITY)[which]}}};")
         w.line(f"const long long end = (c + 1) * {SCALAR_CHUNK}LL < {count}LL ? (c + 1) * {SCALAR_CHUNK}LL : {count}LL;")
         w.open(f"for (long long r = c * {SCALAR_CHUNK}LL; r < end; ++r)")
         _decompose(w, "r", reduced, self.domain, "r_")

@@ -1,14 +1,16 @@
-"""The C translation unit of a lowered module: every kernel once, and one C function per graph.
+"""The C of a lowered module: every kernel once, and one C function per graph, in several translation units.
 
 After `CPU_C_LOWERING` (`match-patterns`, `fuse`, `plan-buffers`: the CUDA lowering's target-independent
 passes) a `graph.func` holds inputs, dense constants, free views, `kern.launch`es, `kern.gemm`s, its
 return and its emits. `render_module` writes
 
-- each `kern.kernel` as a `static void` function (`kernels.py`, `templates.py`);
+- each `kern.kernel` as a hidden `void` function (`kernels.py`, `templates.py`), the kernels spread over
+  units of about `KERNEL_UNIT_LINES` lines that the compiler builds in parallel;
 - each graph as `void sxg_<n>(char* const* base)`, the graph's launches and GEMMs in order, every operand a
   typed pointer `base[b] + offset` (`GraphLayout`: base 0 the activation arena `plan-buffers` laid out,
   1 the GEMM workspace, then the graph's inputs, its constants and the values it returns or emits). One
-  call of a graph is one call into C, as one replay of a captured graph is on the GPU;
+  call of a graph is one call into C, as one replay of a captured graph is on the GPU. The graph functions,
+  the GEMM calls and the kernels' prototypes are the first unit;
 - GEMMs as calls of the BLAS `cblas_sgemm` the executor hands over at load time (`sx_set_sgemm`: numpy's
   OpenBLAS), bf16 operands widened to f32 in the workspace, the bias added and the result rounded once.
 
@@ -42,6 +44,8 @@ ARENA, WORKSPACE, FIRST_INPUT = 0, 1, 2
 ALIGNMENT = 64
 #: The dtype codes `sx_gemm_step` takes.
 DTYPE_CODES = {"f32": 0, "bf16": 1, "f16": 2}
+#: About how many lines of kernels one translation unit holds (each unit is one compiler process).
+KERNEL_UNIT_LINES = 800
 _BASE = re.compile(r"<(arena|input|const|external) (\d+)>")
 
 GEMM_PRELUDE = r"""
@@ -359,18 +363,23 @@ def kernel_function(symbol: str) -> str:
 
 @define
 class Rendered:
-    """A module's translation unit: the source, each graph's layout, and where each kernel's code starts."""
+    """A module's C: its translation units, each graph's layout, and where each kernel's code starts."""
 
-    source: str
+    #: The translation units: the graph functions' first, then the kernels' (`KERNEL_UNIT_LINES` apiece).
+    units: list[str]
     graphs: dict[str, GraphLayout]
-    #: (first line, kernel symbol, model path), in source order.
-    kernel_lines: list[tuple[int, str, str]]
+    #: Per unit, (first line, kernel symbol, model path) in source order.
+    kernel_lines: list[list[tuple[int, str, str]]]
     kernels: int
 
-    def kernel_at(self, line: int) -> tuple[str, str] | None:
-        """(symbol, model path) of the kernel whose function holds source line `line` (1-based)."""
+    @property
+    def lines(self) -> int:
+        return sum(unit.count("\n") for unit in self.units)
+
+    def kernel_at(self, unit: int, line: int) -> tuple[str, str] | None:
+        """(symbol, model path) of the kernel whose function holds line `line` (1-based) of unit `unit`."""
         found = None
-        for start, symbol, path in self.kernel_lines:
+        for start, symbol, path in self.kernel_lines[unit]:
             if start > line:
                 break
             found = (symbol, path)
@@ -379,21 +388,29 @@ class Rendered:
 
 def render_module(module: Operation, profiled: bool = False) -> Rendered:
     """The C of every kernel and graph of a lowered module (see the module docstring); `profiled` adds up
-    each step's process CPU seconds in counters `sx_profile()` returns (`GraphLayout.profile_start`, `labels`)."""
-    parts = [PRELUDE, GEMM_PRELUDE]
-    line = sum(p.count("\n") for p in parts) + 1
-    kernel_lines: list[tuple[int, str, str]] = []
+    each step's process CPU seconds in counters `sx_profile()` returns (`GraphLayout.profile_start`, `labels`).
+
+    The kernels are spread over units of about `KERNEL_UNIT_LINES` lines, in module order, so the compiler
+    builds them in parallel (`compiler.compile_shared`); the split depends on the module alone."""
+    kernel_units: list[list[str]] = []
+    kernel_lines: list[list[tuple[int, str, str]]] = [[]]
+    prototypes: list[str] = []
+    prelude_lines = PRELUDE.count("\n") + 1
+    line = 0
     kernels = 0
     for op in module.body.ops:
         if op.name != "kern.kernel":
             continue
+        if not kernel_units or line >= KERNEL_UNIT_LINES:
+            kernel_units.append([PRELUDE])
+            kernel_lines.append([])
+            line = prelude_lines
         code = kernel_code(op)
-        kernel_lines.append((line, op.attributes["sym_name"], str(op.attributes.get("path") or "")))
-        parts.append(code)
+        kernel_lines[-1].append((line, op.attributes["sym_name"], str(op.attributes.get("path") or "")))
+        kernel_units[-1].append(code)
+        prototypes.append(code[:code.index(" {\n")] + ";")
         line += code.count("\n")
         kernels += 1
-    # Graph functions after every kernel: a compiler error there is in no kernel.
-    kernel_lines.append((line, "", ""))
     graphs: dict[str, GraphLayout] = {}
     steps = 0
     for number, func in enumerate(graph_funcs(module)):
@@ -401,20 +418,22 @@ def render_module(module: Operation, profiled: bool = False) -> Rendered:
         layout.profile_start = steps
         steps += layout.steps
         graphs[layout.name] = layout
+    parts = [PRELUDE, GEMM_PRELUDE, *prototypes]
     if profiled:
         parts.append(f"#include <time.h>\nstatic double sx_seconds[{max(steps, 1)}];\n"
                      "double* sx_profile(void) { return sx_seconds; }\n"
                      "static double sx_cpu_seconds(void) {\n"
                      "    struct timespec t; clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec;\n}\n")
     parts += [layout.code(profiled) for layout in graphs.values()]
-    return Rendered("\n".join(parts), graphs, kernel_lines, kernels)
+    units = ["\n".join(parts), *("\n".join(unit) for unit in kernel_units)]
+    return Rendered(units, graphs, kernel_lines, kernels)
 
 
 def kernel_code(kernel: Operation) -> str:
     """One kernel's C function."""
     attrs = kernel.attributes
-    # Not inlined into the graphs that launch it: each kernel is compiled once however many graphs call it.
-    head = f"static __attribute__((noinline)) void {kernel_function(attrs['sym_name'])}({', '.join(parameters(kernel))}) {{\n"
+    # In a unit of kernels, called from the unit of graph functions (hidden: not exported from the object).
+    head = f"__attribute__((visibility(\"hidden\"), noinline)) void {kernel_function(attrs['sym_name'])}({', '.join(parameters(kernel))}) {{\n"
     if attrs["kind"] in BODY_KINDS or attrs["kind"] == "copy":
         body = FusedKernel(kernel).code()
     else:

@@ -3,18 +3,31 @@
 A pattern kernel's symbol names its family, row length, options and operands (`match-patterns`, see
 `dialects/kern.py`); a family the lowering splits into steps (a norm's backward and its column sums, the
 cross-entropy losses and their sum) is one symbol a step, told apart by `step`. Each row is one iteration of
-an OpenMP loop (static schedule) whose reductions run over the row in order in f32, so a result does not
-depend on the thread count. The column sums of a norm's backward (its weight and bias gradients) go, as on
+an OpenMP loop (static schedule) whose reductions run over the row in f32 in 16 lanes combined in a fixed
+tree (`kernels.lane_loops`: vectorized, in an order set by the row length), so a result does not depend on
+the thread count. The column sums of a norm's backward (its weight and bias gradients) go, as on
 the GPU, through the partial rows the lowering planned: partial row p sums a fixed chunk of rows, and the
 column-sum step adds the partial rows in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ...dialects.core import Operation
-from .kernels import STORAGE, UnsupportedKernel, float_literal, literal, load, parallel_for, store
+from .kernels import (
+    FLOAT_IDENTITY,
+    STORAGE,
+    UnsupportedKernel,
+    Writer,
+    combined,
+    float_literal,
+    lane_loops,
+    literal,
+    load,
+    parallel_for,
+    store,
+)
 
 
 class _Operands:
@@ -61,18 +74,35 @@ def _rows_loop(rows: int, cols: int, body: str) -> str:
             "    }\n")
 
 
-def _sum(o: _Operands, var: str, expr: Callable[[str], str], cols: int, indent: str = "        ") -> str:
-    """`float var` = the sum over the row, in column order, of `expr(element index)`."""
-    return (f"{indent}float {var} = 0.0f;\n"
-            f"{indent}for (long long c = 0; c < {cols}LL; ++c) {var} += {expr('base + c')};\n")
+def _row_reduction(cols: int, reductions: Sequence[tuple[str, str, str]], setup: Sequence[str] = (),
+                   depth: int = 2) -> str:
+    """`const float var` for each (var, "sum" or "max", value): the value's sum or maximum over the row's
+    columns (`c`, the element `base + c`), in lanes (`kernels.lane_loops`), after the C lines `setup` of
+    each column."""
+    w = Writer(depth)
+    lanes = [(f"{var}_lanes", "float", FLOAT_IDENTITY[which], which, False) for var, which, _ in reductions]
+
+    def element(w: Writer) -> None:
+        for line in setup:
+            w.line(line)
+        for var, which, value in reductions:
+            w.line(f"{var}_lanes[l] = {combined(which, False, f'{var}_lanes[l]', value)};")
+
+    lane_loops(w, "c", cols, lanes, element)
+    for var, _, _ in reductions:
+        w.line(f"const float {var} = {var}_lanes[0];")
+    return w.text()
 
 
-def _softmax_stats(o: _Operands, x: str, cols: int, indent: str = "        ") -> str:
+def _sum(o: _Operands, var: str, expr: Callable[[str], str], cols: int) -> str:
+    """`float var` = the sum over the row of `expr(element index)`."""
+    return _row_reduction(cols, [(var, "sum", expr("base + c"))])
+
+
+def _softmax_stats(o: _Operands, x: str, cols: int) -> str:
     """`m` the row maximum of `x`, `s` the sum of exp(x - m)."""
-    return (f"{indent}float m = -INFINITY;\n"
-            f"{indent}for (long long c = 0; c < {cols}LL; ++c) m = sx_fmax(m, {o.ld(x, 'base + c')});\n"
-            f"{indent}float s = 0.0f;\n"
-            f"{indent}for (long long c = 0; c < {cols}LL; ++c) s += sx_expf({o.ld(x, 'base + c')} - m);\n")
+    return (_row_reduction(cols, [("m", "max", o.ld(x, "base + c"))])
+            + _row_reduction(cols, [("s", "sum", f"sx_expf({o.ld(x, 'base + c')} - m)")]))
 
 
 def _each(o: _Operands, cols: int, statements: str, indent: str = "        ") -> str:
@@ -154,14 +184,10 @@ def _norm_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
               f"            const float rstd_r = {o.ld('rstd', 'row')};"]
     if layer:
         lines.append(f"            const float mean_r = {o.ld('mean', 'row')};")
-    lines += ["            float sum_g = 0.0f, sum_gx = 0.0f;",
-              f"            for (long long c = 0; c < {cols}LL; ++c) {{",
-              f"                const float xhat = {xhat};",
-              f"                const float g = {o.ld('dy', 'base + c')} {w};",
-              "                sum_g += g;",
-              "                sum_gx += g * xhat;",
-              "            }",
-              f"            const float mean_g = {'sum_g / ' + str(cols) if layer else '0.0f'};",
+    lines.append(_row_reduction(cols, [("sum_g", "sum", "g"), ("sum_gx", "sum", "g * xhat")],
+                                [f"const float xhat = {xhat};", f"const float g = {o.ld('dy', 'base + c')} {w};"],
+                                depth=3).rstrip("\n"))
+    lines += [f"            const float mean_g = {'sum_g / ' + str(cols) if layer else '0.0f'};",
               f"            const float mean_gx = sum_gx / {cols};",
               f"            for (long long c = 0; c < {cols}LL; ++c) {{",
               f"                const float dy_c = {o.ld('dy', 'base + c')};",

@@ -223,7 +223,7 @@ def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if compiled is not None and "most_registers" not in compiled:  # C for a CPU: no registers or spills to tell
         cached = ", from the cache" if compiled.get("from_cache") else ""
         lines.append(("compiled", f"{plural(compiled['kernels'], 'kernel')} and {plural(compiled['functions'], 'graph function')} "
-                                  f"in one C file by {compiled['compiler']} for {doc['arch']} "
+                                  f"in {plural(compiled['files'], 'C file')} by {compiled['compiler']} for {doc['arch']} "
                                   f"(-O3 -march=native -fopenmp){cached}"))
     elif compiled is not None:
         most = compiled["most_registers"]
