@@ -46,7 +46,6 @@ from ..dialects.core import FLOAT_DTYPES, Builder, Operation, Region, TensorType
 from ..dialects.exp import REDUCERS
 from ..dialects.graph import (
     emit_name,
-    op_axis,
     erase_derived,
     func_kind,
     graph_funcs,
@@ -54,6 +53,7 @@ from ..dialects.graph import (
     input_role,
     is_derived,
     is_input,
+    op_axis,
     return_names,
 )
 from ..dialects.traits import Trait, has_trait
