@@ -58,7 +58,6 @@ from ..dialects.graph import (
 )
 from ..dialects.traits import Trait, has_trait
 from .autodiff import GRAD_PREFIX, func_name
-from .cse import eliminate_common_subexpressions
 from .manager import CompilationUnit, Pass, register_pass
 
 # -- shared: finding and cloning the train graph ------------------------------------------------
@@ -217,8 +216,6 @@ def build_stacked(module: Operation, train: Operation, k: int, accumulating: boo
     builder.create("graph.return", results, dict(ret.attributes), loc=ret.loc)
     if accumulating:
         add_previous_gradients(func)
-    # What the copies compute alike from the shared parameters (a weight's cast, a mask), once.
-    eliminate_common_subexpressions(func.body)
     return func
 
 
