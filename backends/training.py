@@ -4,7 +4,7 @@ It runs on an executor (backends/executor.py), the `cpu` one (the numpy
 interpreter) unless told otherwise, and knows nothing else of the device:
 every graph it runs is made by the compiler, the experiment's and those the
 run pipeline derives for it (`passes.pipelines.run_graphs`: flat group
-updates and clipping, the microbatch scaling, the stacking variants), and is
+updates and clipping, the stacking variants), and is
 compiled by the executor; arrays move only through the executor's array
 operations.
 
@@ -15,11 +15,11 @@ One step of a run:
    `train_accumulating`, which adds into the gradients so far — or, where the
    executor stacks k of them (`Executor.stacking` picks k among the stacking
    variants), k at a time through `train_stacked/<k>` and then
-   `train_stacked_accumulating/<k>`; the summed
-   gradients are then divided by the number of microbatches, so the step's
-   gradient is that of the mean loss;
+   `train_stacked_accumulating/<k>`;
 2. the clip graphs, if any, then one update graph per parameter (param, grad,
-   states, step → new param and states);
+   states, step → new param and states); the first of them to read a
+   gradient multiplies the summed gradients by 1/microbatches
+   (`build-updates`), so the step's gradient is that of the mean loss;
 3. metrics averaged and counters summed over the microbatches, a `step`
    event; evaluations whose cadence divides the step (and the last step) run
    over their whole loader; diagnostics whose cadence divides the step reduce
@@ -69,7 +69,6 @@ from ..dialects.inits import initial_params
 from ..passes.flat_updates import flat_layout, flat_update_graphs
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
-from ..passes.scale_gradients import FLAT_GRADS, SCALE_GRAPH
 from ..passes.variants import stack_variants
 from ..version import __version__
 from . import ranks
@@ -338,8 +337,7 @@ class DeviceSetup:
 
     def _compile_gradient_graphs(self) -> None:
         """The clip graphs (a clip's flat twin over its span of the flat gradient array where
-        `flatten-updates` made one) and, with microbatches, the graph scaling the summed gradients to
-        their mean."""
+        `flatten-updates` made one)."""
         plan = self.plan
         flat_clips = {str(func.attributes["sym_name"]).removesuffix("/flat"): func
                       for func in plan.graphs.values() if is_derived(func) and func.attributes.get("kind") == "clip"}
@@ -353,11 +351,8 @@ class DeviceSetup:
                 self.clips.append((self.executor.compile(flat), span))
             else:
                 self.clips.append((self.executor.compile(func), None))
-        #: The parameters outside the flat array (updated one by one, their gradients scaled one by one).
+        #: The parameters outside the flat array (updated one by one).
         self.lone_params = [path for path in self.updates if path not in self.flat_bounds]
-        self.scale: Executable | None = None
-        if plan.microbatches > 1:
-            self.scale = self.executor.compile(plan.graph(SCALE_GRAPH))
 
     def _choose_stacking(self) -> None:
         """How many microbatches one call runs (the executor's choice; 1 on the CPU), and the stacked
@@ -527,12 +522,6 @@ class Trainer(DeviceSetup):
                 calls.append((result, count))
             # The summed gradients of every rank's microbatches, on every rank (or its shard: ZeRO-1).
             shared_observations = ranks.reduce_step(self, diagnosed, held, calls)
-        if self.scale is not None:
-            # One multiply over the flat gradient array and one per gradient outside it, in place.
-            summed = {f"grad/{path}": self.grad_out[f"grad/{path}"] for path in self.lone_params}
-            if self.flat_bounds:
-                summed[FLAT_GRADS] = self.flat_grads
-            self.scale(summed, summed)
         for clip, span in self.clips:
             clipping = {"grad": span} if span is not None else {spec.name: self.grad_out[spec.name]
                                                                 for spec in clip.inputs}

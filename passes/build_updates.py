@@ -25,13 +25,24 @@ names. The arithmetic is exactly torch.optim's (single-tensor path):
 (`schedules.build_schedule`). Missing hyperparameters take torch's defaults
 (`exp.OPTIMIZER_DEFAULTS`).
 
+Several microbatches: a step's gradients arrive summed over its microbatches
+(`accumulate`, `stack`); the step's gradient, that of the mean loss, is the
+sum times 1/microbatches, and the first op on each gradient multiplies by
+that splat constant (`grad_scale`): in the clip graph of a clipping group
+(which writes the gradients back, scaled and clipped), else in the update
+graph. No pass over the gradients of its own: the product is the same f32
+multiply a separate scaling pass would store, so the results are
+bit-identical to scaling first.
+
 Clipping: groups with `clip` set get a graph with every member gradient in
 (`grad/<path>`, role grad) and the clipped gradients out under the same names,
 plus the total norm as `norm` -- torch.nn.utils.clip_grad_norm_ over those
-gradients: `total = sqrt(sum_p ||g_p||^2)`, `g *= min(1, clip / (total + 1e-6))`.
+gradients (scaled by `grad_scale` first, with several microbatches):
+`total = sqrt(sum_p ||g_p||^2)`, `g *= min(1, clip / (total + 1e-6))`.
 When every group clips at one value the norm is global: one graph
 `@"clip/all"`; otherwise each clipping group gets `@"clip/<group>"`. A clip
-graph's attributes are `{kind = "clip", groups = [names], max_norm}`.
+graph's attributes are `{kind = "clip", groups = [names], max_norm}`, and
+`grad_scale` (1/microbatches) with several microbatches.
 
 Each exp.group gains `states = {name = elements summed over members}`. Every
 graph and op built here carries the exp.group's location.
@@ -48,6 +59,7 @@ from ..dialects.core import Builder, Operation, Region, TensorType, Value
 from ..dialects.exp import CLIP_EPS, OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .manager import CompilationUnit, Pass, register_pass
 from .schedules import SCALAR, build_schedule, scalar_const
+from .variants import run_microbatches
 
 
 def new_graph(module: Operation, name: str, attributes: dict[str, Any], loc: Location | None) -> Builder:
@@ -92,8 +104,12 @@ class BuildUpdates(Pass):
         groups = [op for op in module.body.ops if op.name == "exp.group"]
         for group in groups:
             self._check(group, params, existing)
-        self._build_clips(module, groups, params)
+        microbatches = run_microbatches(module)
+        grad_scale = 1.0 / microbatches if microbatches > 1 else None
+        self._build_clips(module, groups, params, grad_scale)
         for group in groups:
+            # A clipping group's gradients are scaled by its clip graph, before their norm.
+            scale = grad_scale if group.attributes.get("clip") is None else None
             optimizer = group.attributes["optimizer"]
             hyper = {**OPTIMIZER_DEFAULTS[optimizer], **group.attributes.get("hyper", {})}
             names = state_names(optimizer, hyper)
@@ -102,7 +118,7 @@ class BuildUpdates(Pass):
                 type_ = params[path].attributes["type"]
                 for state in names:
                     counts[state] += type_.numel
-                self._build_update(module, group, path, type_, hyper, names)
+                self._build_update(module, group, path, type_, hyper, names, scale)
             group.attributes["states"] = counts
 
     @staticmethod
@@ -127,6 +143,7 @@ class BuildUpdates(Pass):
         type_: TensorType,
         hyper: dict[str, Any],
         states: list[str],
+        grad_scale: float | None,
     ) -> None:
         gname = group.attributes["name"]
         b = new_graph(
@@ -144,6 +161,8 @@ class BuildUpdates(Pass):
         def const(value: float) -> Value:
             return splat(b, value, type_)
 
+        if grad_scale is not None:
+            g = b.value("graph.mul", g, const(grad_scale))
         wd = float(hyper["weight_decay"])
         if group.attributes["optimizer"] == "adamw":
             b1, b2 = (float(x) for x in hyper["betas"])
@@ -197,7 +216,8 @@ class BuildUpdates(Pass):
         b.create("graph.return", outputs, {"names": ["param", *states]})
 
     @staticmethod
-    def _build_clips(module: Operation, groups: list[Operation], params: dict[str, Operation]) -> None:
+    def _build_clips(module: Operation, groups: list[Operation], params: dict[str, Operation],
+                     grad_scale: float | None) -> None:
         clipping = [g for g in groups if g.attributes.get("clip") is not None]
         if not clipping:
             return
@@ -212,10 +232,14 @@ class BuildUpdates(Pass):
                 continue
             max_norm = float(members[0].attributes["clip"])
             attrs = {"kind": "clip", "groups": [g.attributes["name"] for g in members], "max_norm": max_norm}
+            if grad_scale is not None:
+                attrs["grad_scale"] = grad_scale
             b = new_graph(module, f"clip/{name}", attrs, members[0].loc)
             grads = [
                 graph_input(b, f"grad/{path}", "grad", params[path].attributes["type"]) for path in paths
             ]
+            if grad_scale is not None:
+                grads = [b.value("graph.mul", g, splat(b, grad_scale, g.type)) for g in grads]
             squares = []
             for g in grads:
                 axes = list(range(g.type.rank))

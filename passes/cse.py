@@ -36,15 +36,19 @@ def freeze_attribute(value: Any) -> Any:
     return value  # str, TensorType, SymbolRef: hashable and compared by value
 
 
+#: Attributes that say where an op came from, not what it computes: two ops differing only in them merge.
+PROVENANCE_ATTRIBUTES = frozenset({"path"})
+
+
 def op_key(op: Operation) -> tuple:
-    """What makes two ops interchangeable: name, operands, attributes, result types."""
+    """What makes two ops interchangeable: name, operands, attributes but the model path, result types."""
     attributes = op.attributes
     results = op.results
     return (
         op.name,
         tuple(map(id, op.operands)),
         # Attribute names are unique: sorting the names alone orders the pairs.
-        tuple([(k, freeze_attribute(attributes[k])) for k in sorted(attributes)]),
+        tuple([(k, freeze_attribute(attributes[k])) for k in sorted(attributes) if k not in PROVENANCE_ATTRIBUTES]),
         (results[0].type,) if len(results) == 1 else tuple(r.type for r in results),
     )
 
@@ -54,7 +58,9 @@ def eliminate_common_subexpressions(block: Block) -> int:
 
     Operands are compared by identity, so walking the block in order merges
     whole equal chains in one sweep: once `%b` is replaced by `%a`, users of
-    `%b` key on `%a`.
+    `%b` key on `%a`. The op kept is the first: its location and model path
+    (`path`) are those of the merged value, so a causal mask every layer builds
+    alike is built once, under the first layer's path.
     """
     seen: dict[tuple, Operation] = {}
     merged = 0
@@ -82,13 +88,14 @@ class CommonSubexpressionElimination(Pass):
 
     Guarantees: afterwards no two pure ops of a block are equal, and every
     value the graph computes is unchanged. Two ops are equal when their names, operands (the same values), attributes
-    and result types are equal. The later op's uses move to the earlier op
+    and result types are equal; the model path (`path`) is not compared: it says where an op came from, not
+    what it computes. The later op's uses move to the earlier op
     and the later op is erased. Impure ops (inputs, emits, returns) are never
     merged; ops holding regions are left alone.
     """
 
     name = "cse"
-    summary = "merge pure ops with equal names, operands, attributes and result types"
+    summary = "merge pure ops with equal names, operands, attributes (but the model path) and result types"
 
     def run(self, unit: CompilationUnit) -> None:
         _cse_module(unit.require_module(self.name))

@@ -135,7 +135,8 @@ def flat_update_graph(funcs: Sequence[Operation], numel: int) -> Operation | Non
 def flat_clip_graph(clip: Operation, bounds: Sequence[tuple[int, int]]) -> Operation:
     """The clip graph `clip` over one flat gradient array that its members fill: member i (in the
     order of `clip`'s inputs) at `bounds[i]` = (start, end). Input "grad" (the flat array), outputs
-    "grad" (clipped; may be written over the input) and "norm": norm_p = sqrt(sum g_p²),
+    "grad" (clipped; may be written over the input) and "norm". With the clip's `grad_scale`, g is the
+    input times it (as the clip graph scales each member first); norm_p = sqrt(sum g_p²),
     total = sqrt(Σ norm_p²) (added left to right), grad times min(max_norm / (total + eps), 1)."""
     member = next(op.result.type for op in clip.body.ops if op.name == "graph.input")
     numel = max(end for _, end in bounds)
@@ -144,6 +145,10 @@ def flat_clip_graph(clip: Operation, bounds: Sequence[tuple[int, int]]) -> Opera
     b = Builder(func.body, loc=clip.loc)
     grad = b.create("graph.input", (), {"name": "grad", "role": "grad"},
                     result_types=[member.with_shape((numel,))]).result
+    grad_scale = clip.attributes.get("grad_scale")
+    if grad_scale is not None:
+        splat = b.create("graph.const", (), {"value": float(grad_scale)}, result_types=[grad.type]).result
+        grad = b.value("graph.mul", grad, splat)
     squares = b.value("graph.mul", grad, grad)
     total_sq: Value | None = None
     for start, end in bounds:

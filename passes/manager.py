@@ -179,7 +179,6 @@ PASS_MODULES: dict[str, str] = {
     "plan-memory": ".plan_memory",
     "print-values": ".print_values",
     "read": ".read",
-    "scale-gradients": ".scale_gradients",
     "stack": ".variants",
     "stack-variants": ".variants",
     "verify": ".verify",

@@ -7,8 +7,8 @@ TRAINING_PIPELINE = (
 )
 
 #: After the training pipeline, for a run: the graphs the training driver runs beside the experiment's
-#: (`derived`): each optimizer group's update and the clipping over flat arrays, the gradient scaling.
-RUN_GRAPHS = "flatten-updates,scale-gradients"
+#: (`derived`): each optimizer group's update and the clipping over flat arrays.
+RUN_GRAPHS = "flatten-updates"
 
 #: After `RUN_GRAPHS`, for a device that stacks microbatches (`Executor.stacks_microbatches`): a stacked
 #: train graph for each degree it may choose among by memory.

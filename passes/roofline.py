@@ -46,9 +46,19 @@ ROW_FLOPS = {
 }
 #: FLOPs per logit of the cross-entropy tail (step 0; the loss's sum step adds its input once).
 CROSS_ENTROPY_FLOPS = {"forward": 4, "backward": 4}
+#: Block products (each 2·d FLOPs per query-key pair of a head) an `attention` launch computes, by direction
+#: and step: the forward's scores and value product; the backward's row sums D (none), its dK/dV step
+#: (scores, dP, dV, dK) and its dQ step (scores, dP, dQ) — the scores and dP recomputed, never stored.
+ATTENTION_PRODUCTS = {("forward", 0): 2, ("backward", 0): 0, ("backward", 1): 4, ("backward", 2): 3}
+#: The products of the math itself (what MFU counts, as the lowered GEMMs of a materialised attention were
+#: counted, and as PaLM's 12·L·H·d·T a token does: no recomputation, the masked half included).
+ATTENTION_MATH_PRODUCTS = {("forward", 0): 2, ("backward", 0): 0, ("backward", 1): 2, ("backward", 2): 2}
+#: Attention operands of one head-dimension row per token of a head; the others (lse, delta) one f32 per row.
+ATTENTION_ROWS = frozenset(("q", "k", "v", "o", "do", "dq", "dk", "dv"))
 #: Kernel kinds whose FLOPs the model counts; a kind added to the `kern` dialect later is counted by its
 #: bytes alone until it is added here, and the estimate names it (`unmodelled`).
-MODELLED_KINDS = frozenset((*BODY_KINDS, "row", "cross_entropy", "gather", "scatter_add", "copy", "fill"))
+MODELLED_KINDS = frozenset((*BODY_KINDS, "row", "cross_entropy", "attention", "gather", "scatter_add", "copy",
+                            "fill"))
 #: Body ops that cost no arithmetic: constants, index expressions, conversions and the yield.
 FREE_BODY_OPS = frozenset({"graph.const", "kern.index", "graph.cast", "kern.yield"})
 #: The CUDA executor captures a graph launching at least this many kernels a call, once warm
@@ -133,11 +143,14 @@ def launch_costs(func: Operation, kernels: Mapping[str, Operation]) -> list[dict
             costs.append(_gemm_cost(op))
         elif op.name == "kern.launch":
             kernel = kernels[op.attributes["kernel"].name]
+            if kernel.attributes["kind"] == "attention":
+                costs.append({**_attention_cost(kernel), "path": op.attributes.get("path") or None})
+                continue
             read, flops = _kernel_reads_and_flops(kernel)
             written = sum(t.nbytes for t in kernel.attributes["outputs"])
             costs.append({"kernel": kernel.attributes["sym_name"], "kind": kernel.attributes["kind"],
                           "path": op.attributes.get("path") or None, "bytes": read + written, "flops": flops,
-                          "gemm": False, "math": None})
+                          "gemm": False, "math": None, "model_flops": 0})
     return costs
 
 
@@ -146,7 +159,26 @@ def _gemm_cost(op: Operation) -> dict[str, Any]:
     batch = op.attributes["batch"]
     moved = sum(v.type.nbytes for v in op.operands) + sum(r.type.nbytes for r in op.results)
     return {"kernel": "gemm", "kind": "gemm", "path": op.attributes.get("path") or None, "bytes": moved,
-            "flops": 2 * m * n * k * batch, "gemm": True, "math": op.operands[0].type.dtype}
+            "flops": 2 * m * n * k * batch, "gemm": True, "math": op.operands[0].type.dtype,
+            "model_flops": 2 * m * n * k * batch}
+
+
+def _attention_cost(kernel: Operation) -> dict[str, Any]:
+    """A fused attention step: its operands read and written once each (K and V re-read by each query
+    block come from L2, as FlashAttention-2's analysis assumes), the block products it computes (the
+    causal ones up to the diagonal) and those of the math (`model_flops`, what MFU counts). Tensor-core
+    kernels (bf16, head dimensions a multiple of 16) run at the bf16 GEMM peak, the others at the f32 one."""
+    attrs = kernel.attributes
+    sizes, d, dtype = attrs["sizes"], attrs["head_dim"], attrs["inputs"][0].dtype
+    rows = sizes["batch"] * sizes["heads"] * sizes["seq"]
+    moved = sum(rows * (d * DTYPE_BYTES[dtype] if name in ATTENTION_ROWS else 4) for name in attrs["operands"])
+    key = (attrs["direction"], attrs.get("step", 0))
+    pairs = sizes["batch"] * sizes["heads"] * sizes["seq"] ** 2
+    computed = pairs * (sizes["seq"] + 1) // (2 * sizes["seq"]) if attrs["causal"] else pairs
+    return {"kernel": attrs["sym_name"], "kind": "attention", "bytes": moved,
+            "flops": 2 * d * computed * ATTENTION_PRODUCTS[key], "gemm": False,
+            "math": "bf16" if dtype == "bf16" and d % 16 == 0 else None,
+            "model_flops": 2 * d * pairs * ATTENTION_MATH_PRODUCTS[key]}
 
 
 def _kernel_reads_and_flops(kernel: Operation) -> tuple[int, int]:
@@ -304,12 +336,14 @@ def estimate(document: Mapping[str, Any], gpu: Gpu, tokens_per_step: int | None)
         step["flops"] += count * sum(c["flops"] for c in row["launch_costs"])
         step["launches"] += count * len(row["launch_costs"])
         for cost in row["launch_costs"]:
-            if cost["gemm"]:
-                step["gemm_flops"] += count * cost["flops"]
-                math_flops[cost["math"]] = math_flops.get(cost["math"], 0) + count * cost["flops"]
+            if cost["model_flops"]:
+                step["gemm_flops"] += count * cost["model_flops"]
+                math = cost["math"] or "f32"
+                math_flops[math] = math_flops.get(math, 0) + count * cost["model_flops"]
     seconds = step["seconds"]
-    # MFU counts the launches' GEMM FLOPs (the model's matmuls as lowered: 6·N a token for the weights,
-    # the attention's score and value products, no recomputation) against the peak of the GEMMs' dtype.
+    # MFU counts the launches' GEMM FLOPs and a fused attention's products (the model's matmuls: 6·N a
+    # token for the weights, the attention's score and value products, no recomputation) against the
+    # peak of their dtype.
     gemm_math = max(math_flops, key=lambda m: math_flops[m]) if math_flops else "bf16"
     peak = gpu.bf16_peak if gemm_math in ("bf16", "f16") else gpu.f32_peak
     timed.sort(key=lambda t: -t[0])

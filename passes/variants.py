@@ -53,6 +53,7 @@ from ..dialects.graph import (
     input_role,
     is_derived,
     is_input,
+    op_axis,
     return_names,
 )
 from ..dialects.traits import Trait, has_trait
@@ -257,6 +258,9 @@ def stack_variants(module: Operation) -> dict[int, list[Operation]]:
 
 def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
     """The sum of the per-microbatch copies, or their mean when `averaged` and float."""
+    merged = None if averaged else _merged_scatter(builder, copies)
+    if merged is not None:
+        return merged
     total = copies[0]
     for value in copies[1:]:
         total = builder.value("graph.add", total, value)
@@ -264,6 +268,36 @@ def _combine(builder: Builder, copies: list[Value], averaged: bool) -> Value:
         scale = builder.create("graph.const", [], {"value": 1.0 / len(copies)}, result_types=[total.type]).result
         total = builder.value("graph.mul", total, scale)
     return total
+
+
+def _merged_scatter(builder: Builder, copies: list[Value]) -> Value | None:
+    """One `scatter_add` over the positions of every copy, standing for their sum, when each copy is a
+    `scatter_add` alike (an embedding's gradient) that nothing else reads; None otherwise.
+
+    The k scatters would each write a whole table (zeros where no position
+    lands) and k - 1 additions read them back; the merged one scatters the
+    positions concatenated in microbatch order (llm.c's encoder backward over
+    the step's tokens), adding only into the rows they name. Each row is then
+    one sum in position order, where the k scatters added k partial sums:
+    equal up to f32 rounding.
+    """
+    ops = [value.op for value in copies]
+    first = ops[0]
+    if len(copies) < 2 or first is None or first.name != "graph.scatter_add":
+        return None
+    signature = (dict(first.attributes), [v.type for v in first.operands], first.result.type)
+    for value, op in zip(copies, ops):
+        if (op is None or op.name != first.name or value.has_uses
+                or (dict(op.attributes), [v.type for v in op.operands], op.result.type) != signature):
+            return None
+    builder.loc = first.loc
+    path = {"path": first.attributes["path"]} if "path" in first.attributes else {}
+    indices = builder.value("graph.concat", *(op.operands[0] for op in ops), axis=0, **path)
+    updates = builder.value("graph.concat", *(op.operands[1] for op in ops), axis=op_axis(first), **path)
+    merged = builder.create(first.name, [indices, updates], dict(first.attributes), result_types=[first.result.type])
+    for op in ops:
+        op.erase()
+    return merged.result
 
 
 # -- diagnose -----------------------------------------------------------------------------------

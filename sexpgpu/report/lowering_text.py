@@ -115,7 +115,7 @@ def _estimate_lines(estimate: dict[str, Any]) -> list[tuple[str, str]]:
     if estimate["tokens_per_second"] is not None:
         step += f", {estimate['tokens_per_second']:,.0f} tokens/s"
     if estimate["mfu"] is not None:
-        step += f", MFU {estimate['mfu']:.1%} ({estimate['mfu_dtype']} GEMM FLOPs over the dense peak)"
+        step += f", MFU {estimate['mfu']:.1%} ({estimate['mfu_dtype']} matmul FLOPs over the dense peak)"
     shares = estimate["shares"]
     spent = [f"GEMMs {shares['gemm']:.0%}", f"memory-bound kernels {shares['memory_bound']:.0%}"]
     if shares["compute_bound"] >= 0.005:

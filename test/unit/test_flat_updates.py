@@ -52,3 +52,32 @@ def test_graphs_that_differ_beyond_the_shape_are_not_flattened(monkeypatch):
     const = next(op for op in updates[1].body.ops if op.name == "graph.const" and op.result.type.rank > 0)
     monkeypatch.setitem(const.attributes, "value", 0.5)
     assert flat_update_graph(updates, 10) is None
+
+
+
+def test_an_update_graph_scaling_the_summed_gradients_is_bit_identical_to_scaling_them_first():
+    """With 3 microbatches the update graph multiplies the gradient by 1/3 itself (no scaling pass): the
+    same f32 product as the gradient scaled before the update graph of a run of one microbatch."""
+    from sexpgpu.backends.interpreter.compiler import compile_graph
+    from sexpgpu.dialects.parser import parse_module
+    from sexpgpu.passes.manager import CompilationUnit, run_pipeline
+
+    def update(microbatches: int) -> object:
+        text = (
+            'exp.param {group = "default", init = {kind = "zeros"}, path = "w", type = tensor<5x7xf32>}\n'
+            'exp.group {hyper = {lr = {kind = "warmup-cosine", peak = 0.01, floor = 0.1, steps = 10, warmup = 2},'
+            ' weight_decay = 0.1}, members = ["w"], name = "default", optimizer = "adamw"}\n'
+            f'exp.run {{loader = "train", microbatches = {microbatches}, precision = "f32", seed = 0, steps = 10}}\n')
+        unit = run_pipeline(CompilationUnit(module=parse_module(text, "run.sxir")), "build-updates")
+        return compile_graph(next(op for op in unit.module.body.ops if op.name == "graph.func"))
+
+    folded, plain = update(3), update(1)
+    rng = np.random.default_rng(0)
+    inputs = {name: rng.standard_normal((5, 7)).astype(np.float32) for name in ("param", "grad", "m")}
+    inputs["v"] = np.abs(rng.standard_normal((5, 7))).astype(np.float32)
+    inputs["step"] = np.asarray(3.0, dtype=np.float32)
+    scaled = {**inputs, "grad": inputs["grad"] * np.float32(1 / 3)}
+    expected = plain(scaled).outputs
+    for name, value in folded(inputs).outputs.items():
+        assert np.array_equal(value, expected[name]), name
+    assert not np.array_equal(folded(inputs).outputs["m"], plain(inputs).outputs["m"])

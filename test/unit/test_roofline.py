@@ -81,6 +81,24 @@ def test_a_fused_pointwise_kernel_counts_each_body_op_per_element(train_costs) -
     assert gelu["flops"] == 8 * elements
 
 
+def test_a_fused_attention_moves_its_operands_once_and_computes_up_to_the_diagonal(train_costs) -> None:
+    heads, d = 4, C // 4
+    row = B * heads * T * d * F32  # one of q, k, v, o, do, dq, dk, dv
+    stat = B * heads * T * F32  # lse or delta
+    lower = B * heads * T * (T + 1) // 2  # causal query-key pairs
+    forward = first(train_costs, "attention_forward", "model.blocks.0.attn")
+    assert forward["bytes"] == 4 * row + stat  # q, k, v read; o, lse written
+    assert forward["flops"] == 2 * 2 * d * lower  # scores and P·V, the masked half skipped
+    assert forward["model_flops"] == 2 * 2 * d * B * heads * T * T  # what MFU counts: the full products
+    assert forward["math"] is None  # f32 storage: the FMA kernel, not the tensor cores
+    dkdv = first(train_costs, "attention_backward_f32_d8_attention_dkdv", "model.blocks.0.attn")
+    assert dkdv["bytes"] == 4 * row + 2 * stat + 2 * row  # q, k, v, do, lse, delta read; dk, dv written
+    assert dkdv["flops"] == 4 * 2 * d * lower  # scores, dP, dV, dK
+    dq = first(train_costs, "attention_backward_f32_d8_attention_dq", "model.blocks.0.attn")
+    assert dq["flops"] == 3 * 2 * d * lower  # scores, dP, dQ
+    assert dkdv["model_flops"] + dq["model_flops"] == 2 * forward["model_flops"]
+
+
 def test_a_launch_takes_the_larger_bound_plus_its_launch_cost() -> None:
     h200 = GPUS["h200"]
     gemm = {"bytes": 3 * 4096 * 4096 * 2, "flops": 2 * 4096**3, "gemm": True, "math": "bf16"}
@@ -95,8 +113,10 @@ def test_a_launch_takes_the_larger_bound_plus_its_launch_cost() -> None:
 
 def document(microbatches: int, chosen: int | None, planned: int | None) -> dict:
     """A lowering document with one launch per row: a bf16 GEMM in each train row, a copy in the update."""
-    gemm = {"kernel": "gemm", "kind": "gemm", "path": "model.fc", "bytes": 10**6, "flops": 10**12, "gemm": True, "math": "bf16"}
-    update = {"kernel": "update", "kind": "multi_tensor_update", "path": None, "bytes": 10**9, "flops": 10**6, "gemm": False, "math": None}
+    gemm = {"kernel": "gemm", "kind": "gemm", "path": "model.fc", "bytes": 10**6, "flops": 10**12, "gemm": True, "math": "bf16",
+            "model_flops": 10**12}
+    update = {"kernel": "update", "kind": "multi_tensor_update", "path": None, "bytes": 10**9, "flops": 10**6, "gemm": False, "math": None,
+              "model_flops": 0}
     rows = [{"name": name, "kind": kind, "kernels": 1, "captured": None, "launch_costs": [cost]}
             for name, kind, cost in (("train", "train", gemm), ("train accumulating", "train_accumulating", gemm),
                                      ("train stacked", "train_stacked", gemm), ("eval", "evaluation", gemm),
@@ -143,9 +163,9 @@ def test_every_kernel_kind_has_a_flop_model() -> None:
 
 def test_an_unmodelled_kind_is_named_by_the_estimate() -> None:
     doc = document(1, None, None)
-    doc["rows"][0]["launch_costs"].append({"kernel": "attention_fwd", "kind": "attention", "path": "model.attn",
-                                           "bytes": 10**6, "flops": 0, "gemm": False, "math": None})
-    assert estimate(doc, GPUS["h200"], None)["unmodelled"] == ["attention"]
+    doc["rows"][0]["launch_costs"].append({"kernel": "sort_keys", "kind": "sort", "path": "model.embed",
+                                           "bytes": 10**6, "flops": 0, "gemm": False, "math": None, "model_flops": 0})
+    assert estimate(doc, GPUS["h200"], None)["unmodelled"] == ["sort"]
     assert estimate(document(1, None, None), GPUS["h200"], None)["unmodelled"] == []
 
 

@@ -91,6 +91,29 @@ def test_stacked_sums_gradients_and_averages_loss_and_metrics(k):
     assert result.observed == {}
 
 
+def test_stacked_embedding_gradient_is_one_scatter_equal_to_the_sum_of_the_microbatches():
+    """An embedding's gradient over k stacked microbatches: one scatter-add over every position, equal to
+    the k microbatches' gradients summed (up to f32 rounding: one sum per row instead of k partial ones)."""
+    def embedding(g):
+        rows = g.take(g.inputs["table"], g.inputs["ids"], axis=0)
+        return {"loss": g.sum(g.mul(rows, g.inputs["x"]), axes=[0, 1, 2], keep=False)}
+
+    inputs = {"table": ((7, 4), "f32", "param"), "ids": ((2, 5), "i32", "batch"), "x": ((2, 5, 4), "f32", "batch")}
+    module = make_module(make_func(inputs, embedding, name="train", kind="train"))
+    run_pipeline(CompilationUnit(module=module), "autodiff,stack{k=3}")
+    stacked = graph(module, "train_stacked")
+    assert sum(op.name == "graph.scatter_add" for op in stacked.body.ops) == 1
+    table = RNG.standard_normal((7, 4)).astype(np.float32)
+    # Rows 0 to 5 named five times each, in shuffled order; row 6 by no position.
+    ids = RNG.permutation(np.arange(30) % 6).reshape(3, 2, 5).astype(np.int32)
+    x = RNG.standard_normal((3, 2, 5, 4)).astype(np.float32)
+    train = compile_graph(graph(module, "train"))
+    summed = sum(train({"table": table, "ids": ids[i], "x": x[i]}).outputs["grad/table"] for i in range(3))
+    result = compile_graph(stacked)({"table": table, "ids": ids, "x": x}).outputs["grad/table"]
+    np.testing.assert_allclose(result, summed, rtol=1e-6, atol=1e-6)
+    assert not result[6].any() and result[:6].all()
+
+
 def diagnostic(name: str, kind: str, glob: str, reducer: str, enabled: bool = True) -> Operation:
     return Operation.create("exp.diagnostic", attributes={
         "name": name, "of": {"kind": kind, "glob": glob}, "reducer": reducer, "every": 10, "enabled": enabled})
