@@ -363,33 +363,51 @@ def _batched(value: Value, read: TensorType, batch: Sequence[int], before: Opera
 
 def _epilogue(op: Operation) -> tuple[Value, Value | None, Value | None]:
     """The value a GEMM for `op` produces (the matmul's, its cast from bf16 to f32 — cuBLASLt
-    writes f32 from bf16 operands — or an add it absorbs), and the bias (a [n] vector broadcast
-    over the rows) or the buffer added (`beta = 1`) it absorbs."""
+    writes f32 from bf16 operands — or the adds it absorbs), and the bias (a [n] vector broadcast
+    over the rows) and the buffer added (`beta = 1`) it absorbs: a bias, a buffer, or a bias then
+    a buffer (a projection's bias and the residual stream it is added to, as llm.c's matmul
+    with its residual)."""
     result = op.result
     users = list(result.users())
     if (len(result.uses) == 1 and users[0].name == "graph.cast" and result.type.dtype == "bf16"
             and cast_dtype(users[0]) == "f32"):
         result = users[0].result
-        users = list(result.users())
-    if len(users) != 1 or len(result.uses) != 1 or users[0].name != "graph.add":
+    absorbed = _only_add(result)
+    if absorbed is None:
         return result, None, None
-    add = users[0]
-    other = add.operands[1] if add.operands[0] is result else add.operands[0]
+    add, other = absorbed
     n = result.type.shape[-1]
     # The bf16 policy casts the broadcast f32 bias: the broadcast of the cast [n] vector is the same.
     cast = other.op if other.op is not None and other.op.name == "graph.cast" else None
     broadcast = cast.operands[0].op if cast is not None else other.op
     if broadcast is not None and broadcast.name == "graph.broadcast":
         vector = broadcast.operands[0]
-        if vector.type.numel == n and vector.type.shape[-1:] == (n,) and is_buffer(vector):
-            bias = _reshape(vector, [n], add)
-            if cast is not None:
-                bias = _create("graph.cast", [bias], dict(cast.attributes), add).result
-            return add.result, bias, None
-        return result, None, None
-    if other.type == result.type and is_buffer(other):
+        if not (vector.type.numel == n and vector.type.shape[-1:] == (n,) and is_buffer(vector)):
+            return result, None, None
+        bias = _reshape(vector, [n], add)
+        if cast is not None:
+            bias = _create("graph.cast", [bias], dict(cast.attributes), add).result
+        residual = _only_add(add.result)
+        if residual is not None and _accumulable(residual[1], add.result):
+            return residual[0].result, bias, residual[1]
+        return add.result, bias, None
+    if _accumulable(other, result):
         return add.result, None, other
     return result, None, None
+
+
+def _only_add(value: Value) -> tuple[Operation, Value] | None:
+    """The `graph.add` that is `value`'s only use, and its other operand."""
+    users = list(value.users())
+    if len(users) != 1 or len(value.uses) != 1 or users[0].name != "graph.add":
+        return None
+    add = users[0]
+    return add, add.operands[1] if add.operands[0] is value else add.operands[0]
+
+
+def _accumulable(other: Value, product: Value) -> bool:
+    """Whether a GEMM producing `product` can add `other` as its C operand (`beta = 1`)."""
+    return other.type == product.type and is_buffer(other)
 
 
 # -- scatter-add ------------------------------------------------------------------------------

@@ -269,7 +269,8 @@ def test_a_device_with_room_for_two_stacked_microbatches_stacks_two_of_four(narr
     done = sexpgpu_run(NARROWED_GPT, tmp_path / "two", "cuda-sim", SEXPGPU_SIM_MEMORY=str(memory))
     assert done.returncode == 0, done.stderr
     assert "\n  stacking                  2, of 4, 2 or 1: the largest whose activations fit\n" in done.stderr
-    assert "layernorm 6, softmax 2" in done.stderr  # the train stacked row: two microbatches' norms
+    assert "layernorm 6, layernorm backward 6" in done.stderr  # the train stacked row: two microbatches' norms
+    assert "attention          forward 2, backward 2" in done.stderr  # and their attention
     assert_close(values(read_events(tmp_path / "two" / "events.jsonl")), cpu)
 
 

@@ -619,10 +619,11 @@ def test_launch_shapes_scratch_and_sizes():
     vocab = t.softmax(50304).launches({"x": 0, "y": 0, "rows": 37})
     assert (vocab[0].shape.grid, vocab[0].shape.block) == ((37, 1, 1), (1024, 1, 1))  # a block per row
     backward = t.layernorm_backward(768)
-    assert backward.scratch_bytes({"rows": 300}) == {"dweight_partials": 40 * 768 * 4, "dbias_partials": 40 * 768 * 4}
+    # 300 rows fill 38 blocks of 8 warps (a warp a row: fewer rows than 132 blocks' worth), a partial row a warp.
+    assert backward.scratch_bytes({"rows": 300}) == {"dweight_partials": 304 * 768 * 4, "dbias_partials": 304 * 768 * 4}
     steps = backward.launches({p.name: 0 for p in backward.params} | {"rows": 300})
-    assert [s.shape.grid for s in steps] == [(5, 1, 1), (6, 1, 1), (6, 1, 1)]
-    assert steps[1].arguments == (0, 0, 40)  # dweight's partial rows, dweight, their count
+    assert [s.shape.grid for s in steps] == [(38, 1, 1), (6, 2, 1)]  # one column_sum for dweight and dbias
+    assert steps[1].arguments == (0, 0, 0, 0, 304)  # both partial-row arrays, both sums, their count
     with pytest.raises(ValueError, match="size rows is 0"):
         t.softmax(7).launches({"x": 0, "y": 0, "rows": 0})
     with pytest.raises(ValueError, match="no value for cols"):
