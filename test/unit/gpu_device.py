@@ -105,6 +105,19 @@ def shared_gpu() -> GpuDevice:
     return GpuDevice.open()
 
 
+@pytest.fixture(name="device", scope="module", params=["cuda-sim", pytest.param("cuda", marks=GPU)])
+def sim_or_gpu_device(request: pytest.FixtureRequest) -> Any:
+    """The kernel tests' `device`: cuda-sim everywhere, and the GPU where there is one (marked `gpu`)."""
+    if request.param == "cuda-sim":
+        from sexpgpu.backends.cuda.sim import SimDevice
+
+        yield SimDevice()
+        return
+    gpu = GpuDevice.open()
+    yield gpu
+    gpu.close()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """`pytest -p gpu_device`: the lowering harness's runner (cuda_lowering_harness.SimRunner) launches its
     kernels on the GPU instead of cuda-sim. The device check runs test_cuda_lowering.py's cuda-sim tests

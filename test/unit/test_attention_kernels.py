@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_device import GPU, GpuDevice
+from gpu_device import sim_or_gpu_device  # noqa: F401 (the `device` fixture)
 from sexpgpu.backends.cuda.nvrtc import compile_cubin
 from sexpgpu.backends.cuda.render.attention import (
     HEADS,
@@ -119,16 +119,6 @@ class Buffers:
 
     def gather(self, name: str, image: np.ndarray) -> np.ndarray:
         return image[indices(self.layout.placement(name), self.shape)]
-
-
-@pytest.fixture(scope="module", params=["cuda-sim", pytest.param("cuda", marks=GPU)])
-def device(request):
-    if request.param == "cuda-sim":
-        yield SimDevice()
-        return
-    gpu = GpuDevice.open()
-    yield gpu
-    gpu.close()
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from attrs import frozen
-from gpu_device import GPU, GpuDevice
+from gpu_device import (
+    GpuDevice,
+    sim_or_gpu_device,  # noqa: F401 (the `device` fixture)
+)
 from sexpgpu.backends.cuda.driver_sim import SimRuntime
 from sexpgpu.backends.cuda.nvrtc import compile_cubin, cubin_arch
 from sexpgpu.backends.cuda.render import templates as t
 from sexpgpu.backends.cuda.render.kernel_source import KernelProgram
 from sexpgpu.backends.cuda.render.prelude import translation_unit
-from sexpgpu.backends.cuda.sim import SimDevice
 
 NUMPY_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}
@@ -422,16 +424,6 @@ CASES = [
 ]
 
 PROGRAMS = [case.program for case in CASES]
-
-
-@pytest.fixture(scope="module", params=["cuda-sim", pytest.param("cuda", marks=GPU)])
-def device(request):
-    if request.param == "cuda-sim":
-        yield SimDevice()
-        return
-    gpu = GpuDevice.open()
-    yield gpu
-    gpu.close()
 
 
 @pytest.fixture(scope="module")
