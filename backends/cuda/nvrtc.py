@@ -113,13 +113,38 @@ def _locate_nvrtc() -> Nvrtc:
                                    needed_for)
     err, major, minor = nvrtc.nvrtcVersion()
     _check(err, "nvrtcVersion")
-    include_dirs = (headers.abs_path,)
+    crt = _crt_include_dir(headers.abs_path)
+    include_dirs = (headers.abs_path,) if crt is None else (headers.abs_path, crt)
     identity = hashlib.sha256(json.dumps([
         major, minor, _file_identity(library.abs_path),
-        [[d, _file_identity(os.path.join(d, "cuda_bf16.h")), _file_identity(os.path.join(d, "cuda_fp16.h"))]
-         for d in include_dirs],
+        [headers.abs_path, _file_identity(os.path.join(headers.abs_path, "cuda_bf16.h")),
+         _file_identity(os.path.join(headers.abs_path, "cuda_fp16.h"))],
+        None if crt is None else [crt, _file_identity(os.path.join(crt, "crt", "mma.h"))],
     ]).encode()).hexdigest()
-    return Nvrtc((major, minor), library.abs_path, library.found_via, include_dirs, (headers.found_via,), identity)
+    found_via = (headers.found_via,) if crt is None else (headers.found_via, "nvidia-cuda-crt")
+    return Nvrtc((major, minor), library.abs_path, library.found_via, include_dirs, found_via, identity)
+
+
+def _crt_include_dir(runtime_include: str) -> str | None:
+    """Where `crt/mma.h` is (wheel nvidia-cuda-crt: the wmma API the runtime's mma.h includes) when it is not
+    in the runtime's include folder: the wheel installed under another site (the device check carries it
+    into its own), whose `nvidia` namespace package holds the other part of the same include tree."""
+    if os.path.isfile(os.path.join(runtime_include, "crt", "mma.h")):
+        return None
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    bases = list(nvidia.__path__)
+    home = next((base for base in bases if runtime_include.startswith(base + os.sep)), None)
+    if home is None:
+        return None
+    tail = os.path.relpath(runtime_include, home)
+    for base in bases:
+        candidate = os.path.join(base, tail)
+        if os.path.isfile(os.path.join(candidate, "crt", "mma.h")):
+            return candidate
+    return None
 
 
 def supported_archs() -> list[str]:

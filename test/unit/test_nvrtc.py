@@ -320,3 +320,20 @@ def test_without_the_runtime_headers(fresh_toolchain, monkeypatch, capsys):
     monkeypatch.setattr(pathfinder, "locate_nvidia_header_directory", lambda name: None)
     assert "nvidia-cuda-runtime" in _one_line_user_error(capsys)
 
+
+
+def test_crt_headers_carried_into_another_site_are_found_beside_the_runtimes(tmp_path, monkeypatch) -> None:
+    """The device check installs a carried nvidia-cuda-crt under its own site: crt/mma.h (the wmma API the
+    attention kernels use) then lives in another folder of the `nvidia` namespace package than cuda_bf16.h."""
+    import nvidia
+
+    runtime = tmp_path / "site" / "nvidia" / "cu13" / "include"
+    carried = tmp_path / "carried" / "nvidia" / "cu13" / "include"
+    (carried / "crt").mkdir(parents=True)
+    runtime.mkdir(parents=True)
+    (carried / "crt" / "mma.h").write_text("")
+    monkeypatch.setattr(nvidia, "__path__", [str(tmp_path / "site" / "nvidia"), str(tmp_path / "carried" / "nvidia")])
+    assert nvrtc._crt_include_dir(str(runtime)) == str(carried)
+    (runtime / "crt").mkdir()
+    (runtime / "crt" / "mma.h").write_text("")
+    assert nvrtc._crt_include_dir(str(runtime)) is None  # the usual wheel layout: one folder holds both
