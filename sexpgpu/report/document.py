@@ -18,6 +18,9 @@ from ..dialects.printer import attribute_json
 from ..dialects.traits import FAMILIES
 from ..passes.flat_updates import FLAT_MEMBER_ALIGNMENT, flat_update_graph, param_type
 from ..passes.lowering_report import stacking_degrees
+from ..passes.patterns.attention import find_attention
+from ..passes.patterns.memo import MatchCache
+from ..passes.patterns.plans import find_matches
 from ..passes.plan_buffers import member_offsets
 from ..version import __version__
 
@@ -203,7 +206,25 @@ def _step(
         "precision": run["precision"],
         "seed": run["seed"],
         "peak_activation": peak,
+        "attention_unheld": _attention_unheld(graphs_by_kind.get("train")),
     }
+
+
+def _attention_unheld(train: Operation | None) -> dict[str, Any] | None:
+    """The sequence×sequence tensors (scores, probabilities and their gradients) of the train graph's
+    attention regions whose math is recognised, which a target that fuses attention never holds; None without
+    such a region."""
+    if train is None:
+        return None
+    block = train.regions[0].blocks[0]
+    cache = MatchCache()
+    order = {op: i for i, op in enumerate(block.ops)}
+    regions = [m for m in find_attention(find_matches(block, cache), order, cache.attention) if m.refusal is None]
+    if not regions:
+        return None
+    square = {r for m in regions for op in m.slice for r in op.results if tuple(r.type.shape[-2:]) == (m.seq, m.seq)}
+    return {"regions": sum(m.direction == "forward" for m in regions), "tensors": len(square),
+            "bytes": sum(r.type.nbytes for r in square)}
 
 
 def _diagnostics(module: Operation, graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:

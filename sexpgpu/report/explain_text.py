@@ -205,6 +205,11 @@ def step_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"parameters {show_bytes(peak['param_bytes'])} and gradients {show_bytes(peak['grad_bytes'])} besides"
         )
     rows.append(("peak activation", "peak activation", text))
+    unheld = s["attention_unheld"]
+    if unheld is not None:
+        text = (f"{plural(unheld['tensors'], 'sequence×sequence tensor')}, {show_bytes(unheld['bytes'])}, in "
+                f"{plural(unheld['regions'], 'attention region')}: a target that fuses attention (cuda) holds none of them")
+        rows.append(("attention", "attention", text))
     return rows
 
 
