@@ -33,6 +33,10 @@ from ..report.document import build_document, ranks_document
 from ..report.explain_text import render_text
 from .common import add_device_flag, add_ranks_flag, requested_ranks
 
+#: Devices whose lowering fuses attention: their explain skips `step.attention_unheld` (seconds of pattern
+#: matching on GPT-2 small), since their lowering report and arena plan say what they hold.
+FUSING_ATTENTION = ("cuda", "cuda-sim")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the experiment (.sx)")
@@ -66,7 +70,7 @@ def opened_device_document(args: argparse.Namespace) -> dict:
 
     executor = open_device(args.device, "explain")
     unit = compile_unit(args.file, args.variant, args.set)
-    document = build_document(unit.module, unit.facts, unit.path)
+    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=args.device not in FUSING_ATTENTION)
     ranks = requested_ranks(args)
     if ranks > 1:
         with_ranks(document, unit, ranks)
@@ -134,7 +138,7 @@ def target_document(file: str, variant: str | None, sets: list[str], arch: str, 
     from ..backends.cuda.lowering import lowering_report, stack_for_report
 
     unit = compile_unit(file, variant, sets)
-    document = build_document(unit.module, unit.facts, unit.path)
+    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=False)
     if ranks > 1:
         with_ranks(document, unit, ranks)
     document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=True)

@@ -176,7 +176,8 @@ def _static_counters(train: Operation | None, microbatches: int) -> list[dict[st
 
 
 def _step(
-    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: UnitFacts
+    module: Operation, run: dict[str, Any], graphs_by_kind: dict[str, Operation], facts: UnitFacts,
+    attention_unheld: bool,
 ) -> dict[str, Any]:
     loaders = {op.attributes["name"]: op.attributes for op in _exp_ops(module, "exp.loader")}
     batch = loaders[run["loader"]]["batch"]
@@ -206,7 +207,7 @@ def _step(
         "precision": run["precision"],
         "seed": run["seed"],
         "peak_activation": peak,
-        "attention_unheld": _attention_unheld(graphs_by_kind.get("train")),
+        "attention_unheld": _attention_unheld(graphs_by_kind.get("train")) if attention_unheld else None,
     }
 
 
@@ -261,8 +262,11 @@ def _precision(run: dict[str, Any], facts: UnitFacts) -> dict[str, Any]:
     }
 
 
-def build_document(module: Operation, facts: UnitFacts, path: str | None) -> dict[str, Any]:
-    """The explain document of an evaluated experiment module and the facts its passes left."""
+def build_document(module: Operation, facts: UnitFacts, path: str | None,
+                   attention_unheld: bool = True) -> dict[str, Any]:
+    """The explain document of an evaluated experiment module and the facts its passes left. Without
+    `attention_unheld` (an explain that lowers for a target fusing attention, whose lowering report says
+    what it holds) the recogniser does not run for `step.attention_unheld`: it costs seconds on GPT-2 small."""
     params = _exp_ops(module, "exp.param")
     run = attribute_json(_one(module, "exp.run").attributes)
     funcs = [op for op in module.body.ops if op.name == "graph.func"]
@@ -279,7 +283,7 @@ def build_document(module: Operation, facts: UnitFacts, path: str | None) -> dic
         "parameters": parameters,
         "groups": _groups(_exp_ops(module, "exp.group"), elements_of),
         "graphs": graphs,
-        "step": _step(module, run, graphs_by_kind, facts),
+        "step": _step(module, run, graphs_by_kind, facts, attention_unheld),
         "diagnostics": _diagnostics(module, graphs),
         "precision": _precision(run, facts),
         "device": None,
