@@ -100,6 +100,9 @@ class Executor(ABC):
     #: Whether `stacking` may choose more than one microbatch a call: the driver then compiles the
     #: stacking variants for it (`passes.pipelines.STACK_VARIANTS`).
     stacks_microbatches: bool = False
+    #: The lowering pipeline `compile` runs after the training pipeline (`passes/pipelines.py`), which says
+    #: what the device fuses (`passes.match_patterns.fuses_attention`); None where graphs run as they are.
+    lowering_pipeline: str | None = None
 
     @abstractmethod
     def compile(self, func: Operation) -> Executable:

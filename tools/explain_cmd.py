@@ -27,15 +27,11 @@ from ..backends.devices import open_device, require_available
 from ..diagnostics import SxError, UsageError
 from ..passes.lowering_report import without_launches
 from ..passes.manager import CompilationUnit, run_pipeline
-from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
+from ..passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE, run_graphs
 from ..passes.roofline import GPUS, Gpu, estimate, stacking_on, unknown_gpu_message
 from ..report.document import build_document, ranks_document
 from ..report.explain_text import render_text
 from .common import add_device_flag, add_ranks_flag, requested_ranks
-
-#: Devices whose lowering fuses attention: their explain skips `step.attention_unheld` (seconds of pattern
-#: matching on GPT-2 small), since their lowering report and arena plan say what they hold.
-FUSING_ATTENTION = ("cuda", "cuda-sim")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,13 +60,23 @@ def listed_launches() -> bool:
     return value == "kernels"
 
 
+def attention_unheld_wanted(lowering_pipeline: str | None) -> bool:
+    """Whether the report names the attention tensors a fusing target would not hold (`step.attention_unheld`):
+    not where the explained lowering fuses attention itself, whose lowering report and arena plan say what it
+    holds (the recogniser costs seconds on GPT-2 small)."""
+    from ..passes.match_patterns import fuses_attention
+
+    return lowering_pipeline is None or not fuses_attention(lowering_pipeline)
+
+
 def opened_device_document(args: argparse.Namespace) -> dict:
     """The report's document with the lowering the opened device made of a run's graphs under `device`."""
     from ..backends.training import DeviceSetup, TrainingPlan
 
     executor = open_device(args.device, "explain")
     unit = compile_unit(args.file, args.variant, args.set)
-    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=args.device not in FUSING_ATTENTION)
+    document = build_document(unit.module, unit.facts, unit.path,
+                              attention_unheld=attention_unheld_wanted(executor.lowering_pipeline))
     ranks = requested_ranks(args)
     if ranks > 1:
         with_ranks(document, unit, ranks)
@@ -138,7 +144,7 @@ def target_document(file: str, variant: str | None, sets: list[str], arch: str, 
     from ..backends.cuda.lowering import lowering_report, stack_for_report
 
     unit = compile_unit(file, variant, sets)
-    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=False)
+    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=attention_unheld_wanted(CUDA_LOWERING))
     if ranks > 1:
         with_ranks(document, unit, ranks)
     document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=True)

@@ -42,6 +42,7 @@ from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, UnitFacts
+from ...passes.pipelines import CUDA_LOWERING
 from ..distributed import Communicator, DeviceCollectives
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
@@ -83,6 +84,7 @@ class CudaExecutor(Executor):
     """Runs graphs on a CUDA device (or cuda-sim) through `DeviceRuntime`; see the module docstring."""
 
     stacks_microbatches = True
+    lowering_pipeline = CUDA_LOWERING
 
     def __init__(self, device: str = "cuda", runtime: DeviceRuntime | None = None, capture: bool | None = None,
                  **runtime_options: Any) -> None:
