@@ -421,7 +421,7 @@ def format_table(summary: dict[str, Any], sides: dict[str, dict[str, Any]], dry_
     peak = summary["peak_tflops"]
     device = summary["device"] or ("no GPU (dry run)" if dry_run else "no GPU")
     lines.append(f"device {device}; bf16 dense peak "
-                 + (f"{peak} TFLOP/s (datasheet)" if peak else NOT_MEASURED + " (unknown device)")
+                 + (f"{peak:g} TFLOP/s (datasheet)" if peak else NOT_MEASURED + " (unknown device)")
                  + "; bf16 matmul measured "
                  + (f"{summary['matmul_tflops']:.0f} TFLOP/s" if summary["matmul_tflops"] else NOT_MEASURED))
     lines.append("")
