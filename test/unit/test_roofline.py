@@ -16,6 +16,7 @@ from sexpgpu.passes.roofline import (
     GPUS,
     MODELLED_KINDS,
     estimate,
+    gpu_named,
     launch_costs,
     launch_time,
     stacking_on,
@@ -184,3 +185,14 @@ def test_a_gpu_the_table_lacks_is_one_line_and_exit_1() -> None:
     assert result.returncode == 1
     assert result.stderr == "error: --gpu must be one of h200, h100, a100, not b200\n"
     assert result.stdout == ""
+
+
+def test_a_device_is_found_in_the_table_by_its_cuda_name() -> None:
+    """The benchmarks read the table too: a device's CUDA name finds its SXM board, another board none."""
+    assert gpu_named("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert gpu_named("NVIDIA H200") is GPUS["h200"]
+    assert gpu_named("NVIDIA A100-SXM4-80GB") is GPUS["a100"]
+    assert gpu_named("NVIDIA H100 PCIe") is None
+    assert gpu_named("NVIDIA A100-PCIE-40GB") is None
+    assert gpu_named("NVIDIA GeForce RTX 4090") is None
+    assert gpu_named(None) is None
