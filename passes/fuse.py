@@ -219,7 +219,9 @@ def lower_func(func: Operation, kernels: KernelTable, cap: int | None, recompute
     path_of = {op: op.attributes["path"] for op in block.ops if isinstance(op.attributes.get("path"), str)}
     kind = "multi_tensor_update" if func_kind(func) == "update" else "pointwise"
     fusion = Fusion(block, cap)
-    groups = recompute_pointwise(fusion.run(), fusion.escapes, fusion.sources, recompute)
+    groups = fusion.run()
+    barriers = sum(group.mask for group in fusion.groups if not group.fusible)
+    groups = recompute_pointwise(groups, barriers, fusion.escapes, fusion.sources, recompute)
     sizes = []
     launched: dict[Value, Value] = {}
     for group in groups:

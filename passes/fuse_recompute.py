@@ -29,10 +29,11 @@ if TYPE_CHECKING:
     from .fuse import Group
 
 
-def recompute_pointwise(groups: Sequence[Group], escapes: set[Value], sources: dict[Value, list[Value]],
-                        limit: int) -> list[Group]:
-    """Recompute, in their readers' kernels, the values each group stores only for other fused groups
-    and computes in at most `limit` elementwise ops from its inputs; the groups left with ops."""
+def recompute_pointwise(groups: Sequence[Group], barriers: int, escapes: set[Value],
+                        sources: dict[Value, list[Value]], limit: int) -> list[Group]:
+    """Recompute, in their readers' kernels, the values each group stores only for fused groups it
+    reaches through one of `barriers` (the GEMMs and template kernels, as group bits) and computes in
+    at most `limit` elementwise ops from its inputs; the groups left with ops."""
     if limit < 1:
         return list(groups)
     owner = {op: group for group in groups for op in group.ops}
@@ -40,13 +41,14 @@ def recompute_pointwise(groups: Sequence[Group], escapes: set[Value], sources: d
     for writer in groups:
         for value in list(writer.plan.outputs):
             if writer.ops:
-                _recompute(value, writer, owner, copies, escapes, sources, limit)
+                _recompute(value, writer, owner, copies, barriers, escapes, sources, limit)
     return [group for group in groups if group.ops]
 
 
 def _recompute(value: Value, writer: Group, owner: dict[Operation, Group], copies: dict[Group, dict[Value, Value]],
-               escapes: set[Value], sources: dict[Value, list[Value]], limit: int) -> bool:
-    """Recompute `value` in every fused group that reads it, when it is cheap and read by them alone."""
+               barriers: int, escapes: set[Value], sources: dict[Value, list[Value]], limit: int) -> bool:
+    """Recompute `value` in every fused group that reads it, when it is cheap and read by them alone,
+    each after a barrier that follows the writer."""
     if value in escapes:
         return False
     members = set(writer.ops)
@@ -59,6 +61,8 @@ def _recompute(value: Value, writer: Group, owner: dict[Operation, Group], copie
         if reader is None:
             return False  # a GEMM, a template kernel, a view or an output reads the stored value
         if reader is not writer:
+            if not writer.descendants & reader.ancestors & barriers:
+                return False  # a reader the writer's kernel could take: fusion and max-nodes decided
             readers.setdefault(reader, []).append(use_op)
     if not readers or any(not _pays(cone, members, reader, value) for reader in readers):
         return False
