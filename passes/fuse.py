@@ -93,7 +93,8 @@ class Fuse(Pass):
     buffers, `graph.const` with a dense value, `kern.launch` of module-level
     `kern.kernel`s and `kern.gemm`; each launch computes what the ops it
     replaced computed; no group has more than `max-nodes` nodes (update
-    graphs aside) or spans a GEMM or a pattern kernel. An op the lowering does
+    graphs and ops recomputed after a GEMM aside) or spans a GEMM or a
+    pattern kernel. An op the lowering does
     not take is a located error.
     """
 

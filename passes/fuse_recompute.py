@@ -3,8 +3,9 @@
 The step of `fuse` after its groups are formed: rematerialisation, as
 PyTorch's min-cut partitioner chooses what a backward recomputes rather than
 saves. A value one kernel computes elementwise from its own inputs and stores
-only for other fused kernels (GELU's `1 + erf(x/√2)`, `x/2` and
-`exp(-x²/2)`, which the backward reads after the GEMMs in between) is
+only for fused kernels that run after a GEMM or template kernel following it
+(GELU's `1 + erf(x/√2)`, `x/2` and `exp(-x²/2)`, which the backward reads
+after the GEMMs in between) is
 computed again inside each kernel that reads it, from the same inputs, when
 that takes at most `limit` ops and reads no more new bytes than the value
 has. The writer then stores only what GEMMs, template kernels and the graph's
@@ -46,26 +47,26 @@ def recompute_pointwise(groups: Sequence[Group], barriers: int, escapes: set[Val
 
 
 def _recompute(value: Value, writer: Group, owner: dict[Operation, Group], copies: dict[Group, dict[Value, Value]],
-               barriers: int, escapes: set[Value], sources: dict[Value, list[Value]], limit: int) -> bool:
+               barriers: int, escapes: set[Value], sources: dict[Value, list[Value]], limit: int) -> None:
     """Recompute `value` in every fused group that reads it, when it is cheap and read by them alone,
     each after a barrier that follows the writer."""
     if value in escapes:
-        return False
+        return
     members = set(writer.ops)
     cone = _cone(value, writer.ops, sources, limit)
     if cone is None:
-        return False
+        return
     readers: dict[Group, list[Operation]] = {}
     for use_op in value.users():
         reader = owner.get(use_op)
         if reader is None:
-            return False  # a GEMM, a template kernel, a view or an output reads the stored value
+            return  # a GEMM, a template kernel, a view or an output reads the stored value
         if reader is not writer:
             if not writer.descendants & reader.ancestors & barriers:
-                return False  # a reader the writer's kernel could take: fusion and max-nodes decided
+                return  # a reader the writer's kernel could take: fusion and max-nodes decided
             readers.setdefault(reader, []).append(use_op)
     if not readers or any(not _pays(cone, members, reader, value) for reader in readers):
-        return False
+        return
     undo = [(reader, reader.ops, reader.plan, dict(copies.get(reader, {}))) for reader in readers]
     made: list[Operation] = []
     replaced: list[tuple[Operation, int]] = []
@@ -90,7 +91,7 @@ def _recompute(value: Value, writer: Group, owner: dict[Operation, Group], copie
         for group, ops, plan, mapper in undo:
             group.ops, group.plan = ops, plan
             copies[group] = mapper
-        return False
+        return
     writer.ops = _without_dead(writer.ops)
     if writer.ops:
         # Fewer outputs and the ops only they needed gone: the writer's plan over its domain still holds.
@@ -101,7 +102,6 @@ def _recompute(value: Value, writer: Group, owner: dict[Operation, Group], copie
         group.plan = plan
         for op in group.ops:
             owner[op] = group
-    return True
 
 
 def _cone(value: Value, ops: list[Operation], sources: dict[Value, list[Value]],
