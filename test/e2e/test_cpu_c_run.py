@@ -84,7 +84,9 @@ def test_training_matches_the_interpreter(example, variant, sets, tolerance):
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    sets = ["layers=1", "width=64", "seq=32"]
+    # Width 128 and 260 tokens a microbatch: the projections' GEMMs and their weight gradients are large
+    # enough to be cut into blocks that the threads share (render.py, `sx_gemm`).
+    sets = ["layers=1"]
     one = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=1)
     two = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=2)
     assert one[0] == two[0]
