@@ -35,7 +35,7 @@ from .common import add_device_flag, add_ranks_flag, requested_ranks
 
 #: Devices whose lowering fuses attention: their explain skips `step.attention_unheld` (seconds of pattern
 #: matching on GPT-2 small), since their lowering report and arena plan say what they hold.
-FUSING_ATTENTION = ("cuda", "cuda-sim")
+FUSING_ATTENTION = ("cuda", "cuda-sim", "cpu-c")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

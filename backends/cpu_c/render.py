@@ -30,6 +30,7 @@ from ...dialects.graph import emit_collection, emit_name, graph_funcs, input_nam
 from ...dialects.graph_semantics import numpy_dtypes
 from ...dialects.index_maps import Expr
 from ...dialects.kern import BODY_KINDS, find_kernel, gemm_dims
+from .attention import ATTENTION_PRELUDE, attention_code
 from .kernels import PRELUDE, STORAGE, FusedKernel, UnsupportedKernel, parameters
 from .templates import template_code
 
@@ -400,14 +401,15 @@ def render_module(module: Operation, profiled: bool = False) -> Rendered:
     kernel_units: list[list[str]] = []
     kernel_lines: list[list[tuple[int, str, str]]] = [[]]
     prototypes: list[str] = []
-    prelude_lines = PRELUDE.count("\n") + 1
+    unit_prelude = PRELUDE + ATTENTION_PRELUDE
+    prelude_lines = unit_prelude.count("\n") + 1
     line = 0
     kernels = 0
     for op in module.body.ops:
         if op.name != "kern.kernel":
             continue
         if not kernel_units or line >= KERNEL_UNIT_LINES:
-            kernel_units.append([PRELUDE])
+            kernel_units.append([unit_prelude])
             kernel_lines.append([])
             line = prelude_lines
         code = kernel_code(op)
@@ -441,6 +443,8 @@ def kernel_code(kernel: Operation) -> str:
     head = f"__attribute__((visibility(\"hidden\"), noinline)) void {kernel_function(attrs['sym_name'])}({', '.join(parameters(kernel))}) {{\n"
     if attrs["kind"] in BODY_KINDS or attrs["kind"] == "copy":
         body = FusedKernel(kernel).code()
+    elif attrs["kind"] == "attention":
+        body = attention_code(kernel)
     else:
         body = template_code(kernel)
     return head + body + "}\n"

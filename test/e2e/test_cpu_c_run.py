@@ -134,7 +134,7 @@ def test_rejected_c_is_an_internal_error_naming_the_kernel(monkeypatch):
 
     def broken(kernel):
         code = real(kernel)
-        if kernel.attributes["kind"] == "row" and kernel.attributes["family"] == "softmax":
+        if kernel.attributes["kind"] == "attention" and kernel.attributes["direction"] == "forward":
             code = code.replace("{\n", "{\n    this is not C;\n", 1)
         return code
 
@@ -143,7 +143,7 @@ def test_rejected_c_is_an_internal_error_naming_the_kernel(monkeypatch):
     with pytest.raises(CCompileError) as caught:
         Trainer(plan, Path("/nonexistent-record"), None, executor=open_device("cpu-c", "test"))
     message = str(caught.value)
-    assert "rejected the generated kernel @softmax_f32_16" in message
+    assert "rejected the generated kernel @attention_forward_f32_d8" in message
     assert "(model path model.blocks.0.attn)" in message
     assert "this is not C" in message
 
