@@ -40,7 +40,17 @@ from .render import GraphLayout, Named, Place, aligned, numpy_dtype, render_modu
 
 #: Bindings of one graph kept per distinct set of arrays (the driver uses one or two).
 BINDINGS_KEPT = 4
+#: The share of the host's available memory a stacked train graph's activations may take.
+STACKING_MEMORY_SHARE = 0.25
 _ERROR_LINE = re.compile(r"unit(\d+)\.c:(\d+):\d+: error")
+
+
+def available_memory() -> int:
+    """Bytes of memory the host has available now (physical pages not in use; 1 GiB where it does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30
 
 
 def thread_count(threads: int | None = None) -> int:
@@ -77,6 +87,7 @@ class CpuCExecutor(HostArrays, Executor):
     """Runs graphs as compiled C on the host's cores; see the module docstring."""
 
     device = "cpu-c"
+    stacks_microbatches = True
 
     def __init__(self, threads: int | None = None, profiled: bool = False) -> None:
         self.threads = thread_count(threads)
@@ -93,10 +104,17 @@ class CpuCExecutor(HostArrays, Executor):
         self.lowerings: list[LoweredModule] = []
         self._arena = np.zeros(0, np.uint8)
         self._workspace = np.zeros(0, np.uint8)
+        #: id(graph) -> (the graph, its executable): the stacked graphs `stacking` lowered and chose.
+        self._ahead: dict[int, tuple[Operation, CpuCExecutable]] = {}
+        #: The stacking degree `stacking` chose (None before it was asked).
+        self.stack: int | None = None
 
     # -- compiling -------------------------------------------------------------------------------------
 
     def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
+        ahead = self._ahead.get(id(func))
+        if ahead is not None and ahead[0] is func:
+            return ahead[1]
         name = str(func.attributes["sym_name"])
         module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
@@ -105,6 +123,26 @@ class CpuCExecutor(HostArrays, Executor):
             # a run calls only for a parameter outside every flat group), lowered and compiled when first called.
             return DeferredExecutable(self, func)
         return self._executable(lowered, name)
+
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        """The largest degree k among `variants` whose `train_stacked/<k>` activations (its arena) take at
+        most `STACKING_MEMORY_SHARE` of the memory the host has available: one call then runs k microbatches,
+        its GEMMs k times taller (as the CUDA executor stacks by device memory). The chosen degree's graphs
+        (the stacked one and its accumulating twin) are lowered and compiled together, once."""
+        budget = available_memory() * STACKING_MEMORY_SHARE
+        for k in sorted(variants, reverse=True):
+            if k <= 1 or microbatches % k:
+                continue
+            stacked, *rest = variants[k]
+            lowered = self._lower(module_holding([stacked, *rest]))
+            if lowered.layouts[str(stacked.attributes["sym_name"])].arena_bytes > budget:
+                continue
+            for func in (stacked, *rest):
+                self._ahead[id(func)] = (func, self._executable(lowered, str(func.attributes["sym_name"])))
+            self.stack = k
+            return k
+        self.stack = 1
+        return 1
 
     def compile_alone(self, func: Operation) -> CpuCExecutable:
         """A graph lowered, compiled and loaded on its own (in a module of its own)."""
@@ -195,7 +233,7 @@ class CpuCExecutor(HostArrays, Executor):
                                      launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
         document["capture"]["off"] = "nothing to capture: each call of a graph is one call of its C function"
         facts = DeviceFacts(name=f"{host_cpu().split(' ', 1)[-1].rsplit(' ', 1)[0]}, {self.threads} threads",
-                            total_memory=None, free_memory=None, stacking=None, captured=frozenset(),
+                            total_memory=None, free_memory=None, stacking=self.stack, captured=frozenset(),
                             capture_off=document["capture"]["off"])
         return LoweringFacts(document, facts)
 

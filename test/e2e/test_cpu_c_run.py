@@ -45,11 +45,14 @@ def c_cache(tmp_path_factory):
 
 
 def trained(device: str, example: str, variant: str | None, sets: list[str], steps: int,
-            threads: int | None = None) -> tuple[list[float], list[dict[str, float]], dict[str, np.ndarray]]:
-    """Losses and metrics of `steps` training steps of an example on `device`, and the parameters after."""
-    plan = TrainingPlan.compile(str(EXAMPLES / example), variant, sets)
+            threads: int | None = None, stacking: bool = False
+            ) -> tuple[list[float], list[dict[str, float]], dict[str, np.ndarray]]:
+    """Losses and metrics of `steps` training steps of an example on `device`, and the parameters after
+    (with `stacking`, compiled with the stacking variants, which cpu-c may run: `sexpgpu run` compiles so)."""
+    plan = TrainingPlan.compile(str(EXAMPLES / example), variant, sets, stacking=stacking)
     options = {"threads": threads} if threads is not None else {}
     trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=open_device(device, "test", **options))
+    assert trainer.stack == (4 if stacking else 1), trainer.stack
     losses, metrics = [], []
     for step in range(1, steps + 1):
         loss, step_metrics, _, _ = trainer.train_step(step)
@@ -81,6 +84,16 @@ def test_training_matches_the_interpreter(example, variant, sets, tolerance):
         assert want.keys() == got.keys()
         for name in want:
             assert relative(want[name], got[name]) <= tolerance, f"step {step}: {name} {got[name]} vs {want[name]}"
+
+
+def test_stacked_microbatches_train_as_the_interpreter():
+    # The spec GPT's 4 microbatches in one call of @train_stacked/4: the interpreter's losses.
+    sets = ["layers=1"]
+    reference_losses, reference_metrics, _ = trained("cpu", "gpt.sx", "smoke", sets, 8)
+    losses, metrics, _ = trained("cpu-c", "gpt.sx", "smoke", sets, 8, stacking=True)
+    for step, (want, got) in enumerate(zip(reference_losses, losses), 1):
+        assert relative(want, got) <= 1e-5, f"step {step}: loss {got} stacked on cpu-c, {want} on cpu"
+    assert reference_metrics[-1].keys() == metrics[-1].keys()
 
 
 def test_results_do_not_depend_on_the_thread_count():
