@@ -81,26 +81,32 @@ static inline __attribute__((always_inline)) void sx_att_accumulate(long long sp
         }
     }
 }
-/* A score row's maximum (NaN-propagating) m and the sum of exp(x - m), each in 8 lanes combined in a fixed
-   tree; x[j] becomes exp(x[j] - m). */
+/* A score row's maximum m (NaN-propagating, as sx_fmax) and the sum of exp(x - m), each over 8 lanes of
+   vectors combined in a fixed tree; x[j] becomes exp(x[j] - m). */
+typedef int sx_i8 __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) float sx_att_softmax_row(float* x, long long span, float* sum) {
-    float m[8], s[8];
-    for (int l = 0; l < 8; ++l) { m[l] = -INFINITY; s[l] = 0.0f; }
+    sx_v8 top = (sx_v8){0} - INFINITY, total = {0};
     for (long long j = 0; j < span; j += 8) {
-        #pragma omp simd
-        for (int l = 0; l < 8; ++l) m[l] = sx_fmax(m[l], x[j + l]);
+        const sx_v8 v = *(const sx_v8*)(x + j);
+        const sx_i8 larger = (v > top) | (v != v);
+        top = (sx_v8)(((sx_i8)v & larger) | ((sx_i8)top & ~larger));
     }
+    float lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = top[l];
     for (int width = 4; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) m[l] = sx_fmax(m[l], m[l + width]);
-    const float top = m[0];
+        for (int l = 0; l < width; ++l) lanes[l] = sx_fmax(lanes[l], lanes[l + width]);
+    const float m = lanes[0];
     for (long long j = 0; j < span; j += 8) {
-        #pragma omp simd
-        for (int l = 0; l < 8; ++l) { x[j + l] = sx_expf(x[j + l] - top); s[l] += x[j + l]; }
+        sx_v8 e;
+        for (int l = 0; l < 8; ++l) e[l] = sx_expf(x[j + l] - m);
+        *(sx_v8*)(x + j) = e;
+        total += e;
     }
+    for (int l = 0; l < 8; ++l) lanes[l] = total[l];
     for (int width = 4; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) s[l] += s[l + width];
-    *sum = s[0];
-    return top;
+        for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    *sum = lanes[0];
+    return m;
 }
 """)
 
