@@ -128,15 +128,20 @@ class CpuCExecutor(HostArrays, Executor):
         """The largest degree k among `variants` whose `train_stacked/<k>` activations (its arena) take at
         most `STACKING_MEMORY_SHARE` of the memory the host has available: one call then runs k microbatches,
         its GEMMs k times taller (as the CUDA executor stacks by device memory). The chosen degree's graphs
-        (the stacked one and its accumulating twin) are lowered and compiled together, once."""
+        (the stacked one and its accumulating twin) are lowered together, and compiled once it fits."""
         budget = available_memory() * STACKING_MEMORY_SHARE
         for k in sorted(variants, reverse=True):
             if k <= 1 or microbatches % k:
                 continue
             stacked, *rest = variants[k]
-            lowered = self._lower(module_holding([stacked, *rest]))
-            if lowered.layouts[str(stacked.attributes["sym_name"])].arena_bytes > budget:
+            module = module_holding([stacked, *rest])
+            unit = self._planned(module)
+            name = str(stacked.attributes["sym_name"])
+            arena = next(int(f.attributes.get("arena_bytes", 0)) for f in graph_funcs(module)
+                         if str(f.attributes["sym_name"]) == name)
+            if arena > budget:  # known from the plan: no C compiled for a degree that does not fit
                 continue
+            lowered = self._load(module, unit)
             for func in (stacked, *rest):
                 self._ahead[id(func)] = (func, self._executable(lowered, str(func.attributes["sym_name"])))
             self.stack = k
@@ -174,11 +179,19 @@ class CpuCExecutor(HostArrays, Executor):
 
     def _lower(self, module: Operation) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it), render, compile and load it."""
+        return self._load(module, self._planned(module))
+
+    @staticmethod
+    def _planned(module: Operation) -> CompilationUnit:
+        """The module after `CPU_C_LOWERING`, in place: its kern plan and arenas, nothing compiled yet."""
         # match-patterns and fuse plan with the CUDA target's capabilities (f32/bf16 storage, the same pattern
         # families); the C renderer reads that plan and ignores its launch shapes.
         from ..cuda import target  # noqa: F401  (registers it)
 
-        unit = run_pipeline(CompilationUnit(module=module), CPU_C_LOWERING)
+        return run_pipeline(CompilationUnit(module=module), CPU_C_LOWERING)
+
+    def _load(self, module: Operation, unit: CompilationUnit) -> LoweredModule:
+        """A lowered module rendered as C, compiled (or found in the cache) and loaded."""
         rendered = render_module(module, self.profiled)
         try:
             library, from_cache = compile_shared(rendered.units)

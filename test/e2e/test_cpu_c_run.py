@@ -96,6 +96,18 @@ def test_stacked_microbatches_train_as_the_interpreter():
     assert reference_metrics[-1].keys() == metrics[-1].keys()
 
 
+def test_stacked_activations_that_do_not_fit_keep_one_microbatch_a_call(monkeypatch):
+    from sexpgpu.backends.cpu_c import executor as cpu_c_executor
+
+    monkeypatch.setattr(cpu_c_executor, "STACKING_MEMORY_SHARE", 0.0)
+    plan = TrainingPlan.compile(str(EXAMPLES / "gpt.sx"), "smoke", ["layers=1"], stacking=True)
+    executor = open_device("cpu-c", "test")
+    trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=executor)
+    assert trainer.stack == executor.stack == 1
+    # Known from the plan: no stacked graph was compiled.
+    assert not [name for lowered in executor.lowerings for name in lowered.layouts if "stacked" in name]
+
+
 def test_results_do_not_depend_on_the_thread_count():
     # Width 128 and 260 tokens a microbatch: the projections' GEMMs and their weight gradients are large
     # enough to be cut into blocks that the threads share (render.py, `sx_gemm`).
