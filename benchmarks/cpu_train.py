@@ -157,7 +157,9 @@ def main() -> int:
     from sexpgpu.backends.training import Trainer, TrainingPlan
 
     variant = None if args.variant == "none" else args.variant
-    exp = TrainingPlan.compile(args.example, variant, args.sets)
+    # With the stacking variants, as `sexpgpu run` compiles for cpu-c: it may run the microbatches in one call
+    # (the interpreter runs one a call).
+    exp = TrainingPlan.compile(args.example, variant, args.sets, stacking=True)
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None)
     compile_started = time.perf_counter()
     compiled = Trainer(exp, Path("/nonexistent-benchmark-record"), None,
@@ -184,7 +186,8 @@ def main() -> int:
           f"{tokens} tokens per step, batch {trainer.train_loader.batch} x {exp.microbatches} microbatches, "
           f"{args.threads} threads)")
     cache = "warm" if compiled.executor.experiment.from_cache else "cold"
-    print(f"cpu-c lowering and compile of every graph: {compile_seconds:.1f} s (C cache {cache})")
+    print(f"cpu-c lowering and compile of every graph: {compile_seconds:.1f} s (C cache {cache}); "
+          f"{compiled.stack} microbatch{'es' if compiled.stack > 1 else ''} a call")
     for side, (wall, cpu) in results.items():
         print(f"{side:20} {tokens / wall:12,.0f} tokens/s  ({wall * 1000:.1f} ms per step, {cpu * 1000:.1f} ms CPU)")
     if not torch_available:

@@ -74,8 +74,8 @@ class MatchPatterns(Pass):
     remarks: bool = False
     #: The kernel target whose templates the kernels are (`passes/targets.py`).
     target: str = "cuda"
-    #: Whether attention regions become the target's attention kernels (a backend that renders the target's
-    #: row programs but has no attention kernel of its own, cpu-c, says false).
+    #: Whether attention regions become the target's attention kernels (false leaves them to the softmax row
+    #: program and `fuse`, for a backend that renders the target's row programs but no attention kernel).
     attention: bool = True
 
     def run(self, unit: CompilationUnit) -> None:

@@ -32,4 +32,4 @@ SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=t
 
 #: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
 #: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
-CPU_C_LOWERING = "gemm-layouts{transposes=false},match-patterns{attention=false},gemm-layouts,fuse,plan-buffers"
+CPU_C_LOWERING = "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers"

@@ -68,7 +68,9 @@ def attention_unheld_wanted(lowering_pipeline: str | None) -> bool:
     not where the explained lowering fuses attention itself, whose lowering report and arena plan say what it
     holds (the recogniser costs seconds on GPT-2 small)."""
     from ..passes.match_patterns import fuses_attention
+    from ..targets import register_targets
 
+    register_targets()
     return lowering_pipeline is None or not fuses_attention(lowering_pipeline)
 
 

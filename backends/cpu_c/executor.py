@@ -40,7 +40,17 @@ from .render import GraphLayout, Named, Place, aligned, numpy_dtype, render_modu
 
 #: Bindings of one graph kept per distinct set of arrays (the driver uses one or two).
 BINDINGS_KEPT = 4
+#: The share of the host's available memory a stacked train graph's activations may take.
+STACKING_MEMORY_SHARE = 0.25
 _ERROR_LINE = re.compile(r"unit(\d+)\.c:(\d+):\d+: error")
+
+
+def available_memory() -> int:
+    """Bytes of memory the host has available now (physical pages not in use; 1 GiB where it does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30
 
 
 def thread_count(threads: int | None = None) -> int:
@@ -78,6 +88,7 @@ class CpuCExecutor(HostArrays, Executor):
 
     device = "cpu-c"
     lowering_pipeline = CPU_C_LOWERING
+    stacks_microbatches = True
 
     def __init__(self, threads: int | None = None, profiled: bool = False) -> None:
         self.threads = thread_count(threads)
@@ -94,10 +105,17 @@ class CpuCExecutor(HostArrays, Executor):
         self.lowerings: list[LoweredModule] = []
         self._arena = np.zeros(0, np.uint8)
         self._workspace = np.zeros(0, np.uint8)
+        #: id(graph) -> (the graph, its executable): the stacked graphs `stacking` lowered and chose.
+        self._ahead: dict[int, tuple[Operation, CpuCExecutable]] = {}
+        #: The stacking degree `stacking` chose (None before it was asked).
+        self.stack: int | None = None
 
     # -- compiling -------------------------------------------------------------------------------------
 
     def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
+        ahead = self._ahead.get(id(func))
+        if ahead is not None and ahead[0] is func:
+            return ahead[1]
         name = str(func.attributes["sym_name"])
         module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
@@ -106,6 +124,31 @@ class CpuCExecutor(HostArrays, Executor):
             # a run calls only for a parameter outside every flat group), lowered and compiled when first called.
             return DeferredExecutable(self, func)
         return self._executable(lowered, name)
+
+    def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
+        """The largest degree k among `variants` whose `train_stacked/<k>` activations (its arena) take at
+        most `STACKING_MEMORY_SHARE` of the memory the host has available: one call then runs k microbatches,
+        its GEMMs k times taller (as the CUDA executor stacks by device memory). The chosen degree's graphs
+        (the stacked one and its accumulating twin) are lowered together, and compiled once it fits."""
+        budget = available_memory() * STACKING_MEMORY_SHARE
+        for k in sorted(variants, reverse=True):
+            if k <= 1 or microbatches % k:
+                continue
+            stacked, *rest = variants[k]
+            module = module_holding([stacked, *rest])
+            unit = self._planned(module)
+            name = str(stacked.attributes["sym_name"])
+            arena = next(int(f.attributes.get("arena_bytes", 0)) for f in graph_funcs(module)
+                         if str(f.attributes["sym_name"]) == name)
+            if arena > budget:  # known from the plan: no C compiled for a degree that does not fit
+                continue
+            lowered = self._load(module, unit)
+            for func in (stacked, *rest):
+                self._ahead[id(func)] = (func, self._executable(lowered, str(func.attributes["sym_name"])))
+            self.stack = k
+            return k
+        self.stack = 1
+        return 1
 
     def compile_alone(self, func: Operation) -> CpuCExecutable:
         """A graph lowered, compiled and loaded on its own (in a module of its own)."""
@@ -137,11 +180,19 @@ class CpuCExecutor(HostArrays, Executor):
 
     def _lower(self, module: Operation) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it), render, compile and load it."""
+        return self._load(module, self._planned(module))
+
+    @classmethod
+    def _planned(cls, module: Operation) -> CompilationUnit:
+        """The module after `CPU_C_LOWERING`, in place: its kern plan and arenas, nothing compiled yet."""
         # match-patterns and fuse plan with the CUDA target's capabilities (f32/bf16 storage, the same pattern
         # families); the C renderer reads that plan and ignores its launch shapes.
         from ..cuda import target  # noqa: F401  (registers it)
 
-        unit = run_pipeline(CompilationUnit(module=module), self.lowering_pipeline)
+        return run_pipeline(CompilationUnit(module=module), cls.lowering_pipeline)
+
+    def _load(self, module: Operation, unit: CompilationUnit) -> LoweredModule:
+        """A lowered module rendered as C, compiled (or found in the cache) and loaded."""
         rendered = render_module(module, self.profiled)
         try:
             library, from_cache = compile_shared(rendered.units)
@@ -196,7 +247,7 @@ class CpuCExecutor(HostArrays, Executor):
                                      launches=os.environ.get("SEXPGPU_EXPLAIN") == "kernels")
         document["capture"]["off"] = "nothing to capture: each call of a graph is one call of its C function"
         facts = DeviceFacts(name=f"{host_cpu().split(' ', 1)[-1].rsplit(' ', 1)[0]}, {self.threads} threads",
-                            total_memory=None, free_memory=None, stacking=None, captured=frozenset(),
+                            total_memory=None, free_memory=None, stacking=self.stack, captured=frozenset(),
                             capture_off=document["capture"]["off"])
         return LoweringFacts(document, facts)
 

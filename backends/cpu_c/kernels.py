@@ -90,7 +90,7 @@ static inline long long sx_imin(long long a, long long b) { return a < b ? a : b
    polynomial (Cephes' expf): within 1 ulp; 0 below -87.3 (no subnormals), inf above ln(FLT_MAX), NaN kept.
    sx_erff: Eigen's and XLA's float erf, x P(x^2) / Q(x^2) of degrees 13/10 on [-4, 4] (erf(+-4) is +-1 in
    f32): within 2 ulps. */
-static inline float sx_expf(float x) {
+static inline __attribute__((always_inline)) float sx_expf(float x) {
     /* clamps by comparisons (fminf and fmaxf are calls, which keep a loop from vectorizing) */
     const float low = x < -88.0f ? -88.0f : x, c = low > 88.72283935546875f ? 88.72283935546875f : low;
     const float n = floorf(c * 1.44269504088896341f + 0.5f);

@@ -203,9 +203,7 @@ def _lowering_run_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(("memory", f"{show_bytes(memory['total_bytes'])}{free}; planned {planned}"))
     stacking = doc["stacking"]
     degrees = stacking["degrees"]
-    if doc["executor"] == "cpu-c":
-        text = "1: cpu-c runs one microbatch a call (train accumulating adds the others)"
-    elif stacking["chosen"] is not None:
+    if stacking["chosen"] is not None:
         text = f"{stacking['chosen']}, of {_either(degrees)}: the largest whose activations fit"
     elif len(degrees) == 1:
         text = "1: one microbatch a step, nothing to stack"

@@ -45,11 +45,14 @@ def c_cache(tmp_path_factory):
 
 
 def trained(device: str, example: str, variant: str | None, sets: list[str], steps: int,
-            threads: int | None = None) -> tuple[list[float], list[dict[str, float]], dict[str, np.ndarray]]:
-    """Losses and metrics of `steps` training steps of an example on `device`, and the parameters after."""
-    plan = TrainingPlan.compile(str(EXAMPLES / example), variant, sets)
+            threads: int | None = None, stacking: bool = False
+            ) -> tuple[list[float], list[dict[str, float]], dict[str, np.ndarray]]:
+    """Losses and metrics of `steps` training steps of an example on `device`, and the parameters after
+    (with `stacking`, compiled with the stacking variants, which cpu-c may run: `sexpgpu run` compiles so)."""
+    plan = TrainingPlan.compile(str(EXAMPLES / example), variant, sets, stacking=stacking)
     options = {"threads": threads} if threads is not None else {}
     trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=open_device(device, "test", **options))
+    assert trainer.stack == (4 if stacking else 1), trainer.stack
     losses, metrics = [], []
     for step in range(1, steps + 1):
         loss, step_metrics, _, _ = trainer.train_step(step)
@@ -83,8 +86,32 @@ def test_training_matches_the_interpreter(example, variant, sets, tolerance):
             assert relative(want[name], got[name]) <= tolerance, f"step {step}: {name} {got[name]} vs {want[name]}"
 
 
+def test_stacked_microbatches_train_as_the_interpreter():
+    # The spec GPT's 4 microbatches in one call of @train_stacked/4: the interpreter's losses.
+    sets = ["layers=1"]
+    reference_losses, reference_metrics, _ = trained("cpu", "gpt.sx", "smoke", sets, 8)
+    losses, metrics, _ = trained("cpu-c", "gpt.sx", "smoke", sets, 8, stacking=True)
+    for step, (want, got) in enumerate(zip(reference_losses, losses), 1):
+        assert relative(want, got) <= 1e-5, f"step {step}: loss {got} stacked on cpu-c, {want} on cpu"
+    assert reference_metrics[-1].keys() == metrics[-1].keys()
+
+
+def test_stacked_activations_that_do_not_fit_keep_one_microbatch_a_call(monkeypatch):
+    from sexpgpu.backends.cpu_c import executor as cpu_c_executor
+
+    monkeypatch.setattr(cpu_c_executor, "STACKING_MEMORY_SHARE", 0.0)
+    plan = TrainingPlan.compile(str(EXAMPLES / "gpt.sx"), "smoke", ["layers=1"], stacking=True)
+    executor = open_device("cpu-c", "test")
+    trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=executor)
+    assert trainer.stack == executor.stack == 1
+    # Known from the plan: no stacked graph was compiled.
+    assert not [name for lowered in executor.lowerings for name in lowered.layouts if "stacked" in name]
+
+
 def test_results_do_not_depend_on_the_thread_count():
-    sets = ["layers=1", "width=64", "seq=32"]
+    # Width 128 and 260 tokens a microbatch: the projections' GEMMs and their weight gradients are large
+    # enough to be cut into blocks that the threads share (render.py, `sx_gemm`).
+    sets = ["layers=1"]
     one = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=1)
     two = trained("cpu-c", "gpt.sx", "smoke", sets, 3, threads=2)
     assert one[0] == two[0]
@@ -132,7 +159,7 @@ def test_rejected_c_is_an_internal_error_naming_the_kernel(monkeypatch):
 
     def broken(kernel):
         code = real(kernel)
-        if kernel.attributes["kind"] == "row" and kernel.attributes["family"] == "softmax":
+        if kernel.attributes["kind"] == "attention" and kernel.attributes["direction"] == "forward":
             code = code.replace("{\n", "{\n    this is not C;\n", 1)
         return code
 
@@ -141,7 +168,7 @@ def test_rejected_c_is_an_internal_error_naming_the_kernel(monkeypatch):
     with pytest.raises(CCompileError) as caught:
         Trainer(plan, Path("/nonexistent-record"), None, executor=open_device("cpu-c", "test"))
     message = str(caught.value)
-    assert "rejected the generated kernel @softmax_f32_16" in message
+    assert "rejected the generated kernel @attention_forward_f32_d8" in message
     assert "(model path model.blocks.0.attn)" in message
     assert "this is not C" in message
 
