@@ -277,11 +277,10 @@ class Operation:
         regions: Sequence[Region] = (),
         loc: Location | None = None,
     ) -> Operation:
-        op = cls(name=name, attributes=dict(attributes or {}), loc=loc)
-        for i, v in enumerate(operands):
-            use = Use(op, i)
-            op.operands.append(v)
-            op.operand_uses.append(use)
+        # Every field given, positionally: attrs' __init__ then makes no default (ops are built by the ten thousand).
+        op = cls(name, list(operands), [], dict(attributes) if attributes else {}, [], loc, None, None, None, None, [])
+        op.operand_uses = uses = [Use(op, i) for i in range(len(op.operands))]
+        for v, use in zip(op.operands, uses):
             v.uses[use] = None
         op.results = [Value(t, op, i) for i, t in enumerate(result_types)]
         for r in regions:
@@ -293,7 +292,7 @@ class Operation:
 
     @property
     def opdef(self) -> type[OpDef] | None:
-        return REGISTRY.lookup(self.name)
+        return REGISTRY.ops.get(self.name)
 
     @property
     def family(self) -> str:
@@ -397,7 +396,7 @@ class Operation:
 
     def verify_one(self) -> None:
         """Verify this op alone (not what its regions hold), locating any error at it."""
-        opdef = self.opdef
+        opdef = REGISTRY.ops.get(self.name)
         if opdef is None:
             raise VerifyError(f"unknown op '{self.name}'", self)
         try:
@@ -559,8 +558,8 @@ class Builder:
         loc: Location | None = None,
         regions: Iterable[Region] = (),
     ) -> Operation:
-        attributes = dict(attributes or {})
-        opdef = REGISTRY.lookup(name)
+        attributes = attributes or {}  # copied by Operation.create; no rule mutates what it reads
+        opdef = REGISTRY.ops.get(name)
         if opdef is None:
             raise ValueError(f"unknown op {name}")
         if result_types is None:
