@@ -158,3 +158,22 @@ def test_check_reports_what_the_training_pipeline_would(path: str, chunk: int, v
     assert TRAINING_PIPELINE.startswith(CHECK_PIPELINE + ",")
     facts = checked_facts(path, chunk, variant, sets, CHECK_PIPELINE)
     assert facts[0] and facts == checked_facts(path, chunk, variant, sets, TRAINING_PIPELINE)
+
+
+@pytest.mark.parametrize(("words", "status", "stdout", "stderr"), [
+    (["examples/tiny-gpt.sx", "--variant", "smoke"], 0, "examples/tiny-gpt.sx: ok (", ""),
+    (["test/lit/experiment/error-missing-defrun.sx"], 1, "", "error-missing-defrun.sx:"),
+    (["examples/tiny-gpt.sx", "--variant", "smok"], 2, "", "error: unknown variant 'smok'"),
+])
+def test_a_one_shot_verb_ends_its_process_flushed_without_teardown(words: list[str], status: int, stdout: str, stderr: str) -> None:
+    """`sexpgpu check` run as the process ends with its status and its output written, and without
+    the interpreter's teardown (an exit handler would print)."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torn down', file=sys.stderr))\n"
+            "from sexpgpu.tools.main import main\n"
+            f"sys.argv = {['sexpgpu', 'check', *words]!r}\n"
+            "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == status, done.stderr
+    assert done.stdout.startswith(stdout) and done.stdout.endswith("\n" if stdout else "")
+    assert stderr in done.stderr and "torn down" not in done.stderr
