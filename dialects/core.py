@@ -277,10 +277,11 @@ class Operation:
         regions: Sequence[Region] = (),
         loc: Location | None = None,
     ) -> Operation:
-        # Every field given, positionally: attrs' __init__ then makes no default (ops are built by the ten thousand).
-        op = cls(name, list(operands), [], dict(attributes) if attributes else {}, [], loc, None, None, None, None, [])
-        op.operand_uses = uses = [Use(op, i) for i in range(len(op.operands))]
-        for v, use in zip(op.operands, uses):
+        op = cls(name=name, attributes=dict(attributes or {}), loc=loc)
+        for i, v in enumerate(operands):
+            use = Use(op, i)
+            op.operands.append(v)
+            op.operand_uses.append(use)
             v.uses[use] = None
         op.results = [Value(t, op, i) for i, t in enumerate(result_types)]
         for r in regions:
