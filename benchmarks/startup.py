@@ -4,8 +4,12 @@
 
 Prints the median wall time of `sexpgpu --version`, `sexpgpu check examples/gpt2-small.sx`
 (what an editor or an agent runs on every save), `sexpgpu explain examples/gpt.sx` and
-`sexpgpu-opt --list-passes`, each run through its console script; the commands take turns
-(one run of each, then again), so a load that comes and goes weighs on all alike. For the
+`sexpgpu-opt --list-passes`, each run through its console script, and the CPU time each
+process took (user + system: what a shared, loaded machine does not inflate as it does the
+wall time); the commands take turns (one run of each, then again), so a load that comes and
+goes weighs on all alike. Each command runs once first, unmeasured, with Python's bytecode
+cache written (PYTHONDONTWRITEBYTECODE unset for it), as an installed package has it: with
+that variable set and the cache stale, every run would compile the sources again. For the
 record it prints how long importing numpy, ml_dtypes and lark takes in a fresh interpreter,
 none of which `check` imports (ml_dtypes 0.7's extension takes about a second; the pass
 registry is lazy and the reader's terminals are generated, docs/passes.md). Goals:
@@ -15,6 +19,8 @@ registry is lazy and the reader's terminals are generated, docs/passes.md). Goal
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,14 +44,17 @@ IMPORTS = {
 }
 
 
-def seconds(argv: list[str]) -> float:
-    """The wall time of `argv` run once from the repository's root; a failure ends the benchmark."""
+def seconds(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """The wall time and the CPU time (user + system) of `argv` run once from the repository's root;
+    a failure ends the benchmark."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr}")
-    return elapsed
+    return elapsed, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 def script(name: str) -> str:
@@ -70,14 +79,19 @@ def main() -> None:
           "the commands taking turns")
     runs = {label: [script(name), *words] for label, (name, words) in COMMANDS.items()}
     runs.update({label: [sys.executable, "-c", code] for label, code in IMPORTS.items()})
-    times: dict[str, list[float]] = {label: [] for label in runs}
+    caching = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    for argv in runs.values():
+        seconds(argv, caching)
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
     for _ in range(args.repeat):
         for label, argv in runs.items():
             times[label].append(seconds(argv))
     width = max(map(len, runs))
     for label, taken in times.items():
+        wall, cpu = [w for w, _ in taken], [c for _, c in taken]
         note = "  (the interpreter's start included)" if label in IMPORTS else ""
-        print(f"  {label:<{width}}  {statistics.median(taken):6.3f} s  (min {min(taken):.3f}){note}")
+        print(f"  {label:<{width}}  {statistics.median(wall):6.3f} s  (min {min(wall):.3f}), "
+              f"CPU {statistics.median(cpu):.3f} s  (min {min(cpu):.3f}){note}")
 
 
 if __name__ == "__main__":

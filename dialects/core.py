@@ -293,7 +293,7 @@ class Operation:
 
     @property
     def opdef(self) -> type[OpDef] | None:
-        return REGISTRY.lookup(self.name)
+        return REGISTRY.ops.get(self.name)
 
     @property
     def family(self) -> str:
@@ -397,7 +397,7 @@ class Operation:
 
     def verify_one(self) -> None:
         """Verify this op alone (not what its regions hold), locating any error at it."""
-        opdef = self.opdef
+        opdef = REGISTRY.ops.get(self.name)
         if opdef is None:
             raise VerifyError(f"unknown op '{self.name}'", self)
         try:
@@ -559,8 +559,8 @@ class Builder:
         loc: Location | None = None,
         regions: Iterable[Region] = (),
     ) -> Operation:
-        attributes = dict(attributes or {})
-        opdef = REGISTRY.lookup(name)
+        attributes = attributes or {}  # copied by Operation.create; no rule mutates what it reads
+        opdef = REGISTRY.ops.get(name)
         if opdef is None:
             raise ValueError(f"unknown op {name}")
         if result_types is None:

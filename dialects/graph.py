@@ -129,7 +129,7 @@ class FuncOp(OpDef):
             for v in inner.operands:
                 if id(v) not in defined:
                     raise VerifyError(f"'{inner.name}' uses a value before it is defined", inner)
-            defined.update(id(r) for r in inner.results)
+            defined.update(map(id, inner.results))
 
 
 @graph_op

@@ -70,6 +70,10 @@ class Trait(enum.Enum):
     #: Its operands must be floats (the tracer casts integers to f32 first).
     FLOAT_ONLY = "float-only"
 
+    # Members are singletons compared by identity: hashing by identity (in C) keeps `trait in traits`
+    # cheap, which every op's type rule and many patterns ask (Enum's own hashes the name, in Python).
+    __hash__ = object.__hash__
+
 
 T = Trait
 

@@ -1,8 +1,10 @@
-"""`sexpgpu check FILE`: read, evaluate and verify every graph of the training pipeline.
+"""`sexpgpu check FILE`: read, evaluate and verify every graph a run executes.
 
-Prints `FILE: ok (N parameters, G graphs, S steps)` or the diagnostics; G counts
-the graphs a run executes after the training pipeline (train variants,
-evaluations, update graphs). `--json` prints the same facts as one document.
+Runs `CHECK_PIPELINE`, the training pipeline's passes that can report on the
+file (`passes/pipelines.py`), then the verifiers. Prints `FILE: ok (N parameters,
+G graphs, S steps)` or the diagnostics; G counts the graphs a run executes after
+the training pipeline (train variants, evaluations, update graphs). `--json`
+prints the same facts as one document.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 from ..diagnostics import display_path
 from ..passes.manager import CompilationUnit, run_pipeline
-from ..passes.pipelines import TRAINING_PIPELINE
+from ..passes.pipelines import CHECK_PIPELINE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(path: str, variant: str | None, sets: list[str]) -> dict[str, object]:
     """The facts `check` reports; raises the first diagnostic as an SxError."""
-    unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), TRAINING_PIPELINE)
+    unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=list(sets)), CHECK_PIPELINE)
     unit.module.verify()
     experiment = unit.facts.experiment
     graphs = [op for op in unit.module.body.ops if op.name == "graph.func"]

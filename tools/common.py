@@ -10,7 +10,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from ..diagnostics import UsageError
 from ..interruption import interrupt
@@ -134,6 +134,18 @@ def ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for timer in deadline:
             timer.cancel()
+
+
+def end_process(status: int) -> NoReturn:
+    """End a one-shot command's process with `status`, its output flushed, without tearing its IR down:
+    freeing a module of tens of thousands of ops object by object takes a tenth of `check`'s time on
+    GPT-2 small, and the system frees the whole process at once. mypy ends so (`util.hard_exit`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (a closed pipe): nothing more to say
+            pass
+    os._exit(status)
 
 
 def _end_interrupted() -> None:

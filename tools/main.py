@@ -7,7 +7,7 @@ import gc
 import importlib
 import sys
 
-from .common import add_selection_flags, guarded
+from .common import add_selection_flags, end_process, guarded
 
 #: verb → (module under sexpgpu.tools providing `add_arguments(parser)` (optional) and `run(args) -> int`, help)
 VERBS = {
@@ -25,7 +25,8 @@ VERBS = {
 
 #: Verbs that compile a module, report on it and end: run as the process (`sexpgpu VERB ...`), they
 #: keep the cyclic collector off, since the module lives until the process exits (a collection
-#: would only re-traverse it: a third of `check`'s time on GPT-2 small).
+#: would only re-traverse it: a third of `check`'s time on GPT-2 small), and end the process
+#: without tearing the module down (`end_process`).
 _ONE_SHOT = {"check", "explain", "ir", "diff"}
 
 #: Verbs that take no experiment selection.
@@ -53,7 +54,10 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    one_shot_process = False
+
     def body() -> int:
+        nonlocal one_shot_process
         words = sys.argv[1:] if argv is None else argv
         chosen = next((w for w in words if not w.startswith("-")), None)
         args = build_parser(chosen).parse_args(words)
@@ -61,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
 
         tune_gc_for_large_ir()  # as sexpgpu-opt does: every verb builds a large, long-lived IR
         if argv is None and args.verb in _ONE_SHOT:
+            one_shot_process = True
             gc.disable()
         module = importlib.import_module(f"sexpgpu.tools.{VERBS[args.verb][0]}")
         return module.run(args)
 
-    return guarded(body)
+    status = guarded(body)
+    if one_shot_process:
+        end_process(status)
+    return status
 
 
 if __name__ == "__main__":

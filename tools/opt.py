@@ -22,7 +22,7 @@ import sys
 from attrs import define, field
 
 from ..diagnostics import Diagnostic, Location, SxError, UsageError, remember_source
-from .common import add_selection_flags, guarded
+from .common import add_selection_flags, end_process, guarded
 
 _SPLIT_MARKER = {False: re.compile(r"^//\s*-----\s*$"), True: re.compile(r"^;+\s*-----\s*$")}
 _EXPECTATION = re.compile(r"(?://|;+)\s*expected-(error|warning|note)(?:@([+-]\d+|above|below))?\s*\{\{(.*?)\}\}")
@@ -278,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..dialects.core import tune_gc_for_large_ir
 
     tune_gc_for_large_ir()
-    return guarded(lambda: Opt(args).main())
+    status = guarded(lambda: Opt(args).main())
+    if argv is None:  # run as the process: it ends here, its IR with it
+        end_process(status)
+    return status
 
 
 if __name__ == "__main__":

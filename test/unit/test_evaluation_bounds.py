@@ -317,6 +317,19 @@ def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
     assert unwound and unwound[0] > limit and sys.getrecursionlimit() == limit, (unwound, limit)
 
 
+def test_an_evaluation_leaves_no_asynchronous_exception_pending():
+    """The evaluation thread drops an interrupt it did not take by taking a stand-in, so the interpreter's
+    note of a pending asynchronous exception is cleared: a profiler runs after an evaluation (with the
+    note left set, CPython 3.11's cProfile loops for ever on a function's first instruction)."""
+    code = ("import cProfile\n"
+            "from sexpgpu.frontend.evaluator import Evaluator\n"
+            "evaluator = Evaluator()\n"
+            "profile = cProfile.Profile()\n"
+            "print(profile.runcall(evaluator.eval_text, '(+ 1 2)'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[3]", done.stderr
+
+
 def test_ctrl_c_at_any_point_of_a_run_ends_it_interrupted_under_load(tmp_path):
     """Ctrl-C before the first form, between forms and deep in a recursion, with a busy process
     beside: every time exit 130, "interrupted", no traceback, no abort."""

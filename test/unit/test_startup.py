@@ -21,7 +21,10 @@ import pytest
 import sexpgpu.passes
 from sexpgpu.frontend.reader import GRAMMAR_TABLE_PATH, grammar_table_source
 from sexpgpu.passes.canonicalize import _exact_bf16_cast
-from sexpgpu.passes.manager import PASS_MODULES, PASSES, pass_class
+from sexpgpu.passes.manager import PASS_MODULES, PASSES, CompilationUnit, pass_class, run_pipeline
+from sexpgpu.passes.pipelines import CHECK_PIPELINE, TRAINING_PIPELINE
+
+from sexpgpu.diagnostics import DiagnosticSink
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +49,7 @@ def imported(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
 def test_check_of_a_bf16_model_imports_no_backend_numpy_or_lark() -> None:
     modules = modules_after("from sexpgpu.tools.main import main\n"
                             "assert main(['check', 'examples/gpt2-small.sx']) == 0")
-    assert "sexpgpu.passes.insert_casts" in modules  # it did run the training pipeline
+    assert "sexpgpu.passes.build_updates" in modules  # it did run the check pipeline
     assert imported(modules, NOT_FOR_CHECK) == []
 
 
@@ -116,3 +119,61 @@ def test_the_pure_python_bf16_cast_rounds_as_ml_dtypes() -> None:
             continue
         expected = float(np.float32(value).astype(ml_dtypes.bfloat16))
         assert mine == expected and math.copysign(1, mine) == math.copysign(1, expected), hex(bits)
+
+
+
+#: Experiments `check` must judge as the whole training pipeline would: the examples under selections
+#: that add graphs (accumulation, clipping, bf16 casts), and the two chunks of a file that warns.
+CHECKED_AS_TRAINED = [
+    ("examples/gpt2-small.sx", 0, None, []),
+    ("examples/gpt.sx", 0, "smoke", []),
+    ("examples/mlp-classifier.sx", 0, "deep", []),
+    ("examples/tiny-gpt.sx", 0, "smoke", ["precision=bf16", "microbatches=2"]),
+    ("test/lit/ir/sx-verify-warnings.sx", 0, None, []),
+    ("test/lit/ir/sx-verify-warnings.sx", 1, None, []),
+]
+
+
+def checked_facts(path: str, chunk: int, variant: str | None, sets: list[str], pipeline: str) -> tuple[list, list, list]:
+    """What `check` can tell of chunk `chunk` of a file after `pipeline`: each graph's name and inputs,
+    the parameters, and the diagnostics raised."""
+    text = (ROOT / path).read_text(encoding="utf-8").split(";; -----")[chunk]
+    unit = CompilationUnit(path=str(ROOT / path), text=text, variant=variant, sets=sets,
+                           diagnostics=DiagnosticSink(echo=False))
+    run_pipeline(unit, pipeline)
+    unit.module.verify()
+    graphs = []
+    for func in unit.module.body.ops:
+        if func.name == "graph.func":
+            inputs = [(op.attributes["name"], str(op.result.type)) for op in func.body.ops if op.name == "graph.input"]
+            graphs.append((func.attributes["sym_name"], inputs))
+    params = sorted((name, p.numel) for name, p in unit.facts.experiment.params.items())
+    return graphs, params, [(d.severity, d.message, str(d.loc)) for d in unit.diagnostics.diagnostics]
+
+
+@pytest.mark.parametrize(("path", "chunk", "variant", "sets"), CHECKED_AS_TRAINED)
+def test_check_reports_what_the_training_pipeline_would(path: str, chunk: int, variant: str | None, sets: list[str]) -> None:
+    """`check` stops where the training pipeline's passes stop reporting (`CHECK_PIPELINE`): the graphs
+    (names and inputs), parameters and diagnostics are those of the whole pipeline."""
+    assert TRAINING_PIPELINE.startswith(CHECK_PIPELINE + ",")
+    facts = checked_facts(path, chunk, variant, sets, CHECK_PIPELINE)
+    assert facts[0] and facts == checked_facts(path, chunk, variant, sets, TRAINING_PIPELINE)
+
+
+@pytest.mark.parametrize(("words", "status", "stdout", "stderr"), [
+    (["examples/tiny-gpt.sx", "--variant", "smoke"], 0, "examples/tiny-gpt.sx: ok (", ""),
+    (["test/lit/experiment/error-missing-defrun.sx"], 1, "", "error-missing-defrun.sx:"),
+    (["examples/tiny-gpt.sx", "--variant", "smok"], 2, "", "error: unknown variant 'smok'"),
+])
+def test_a_one_shot_verb_ends_its_process_flushed_without_teardown(words: list[str], status: int, stdout: str, stderr: str) -> None:
+    """`sexpgpu check` run as the process ends with its status and its output written, and without
+    the interpreter's teardown (an exit handler would print)."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torn down', file=sys.stderr))\n"
+            "from sexpgpu.tools.main import main\n"
+            f"sys.argv = {['sexpgpu', 'check', *words]!r}\n"
+            "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == status, done.stderr
+    assert done.stdout.startswith(stdout) and done.stdout.endswith("\n" if stdout else "")
+    assert stderr in done.stderr and "torn down" not in done.stderr
