@@ -264,6 +264,13 @@ def kernel_symbol(op: Operation) -> str:
     return ref.name
 
 
+def adds_into(kernel: Operation, operand: int) -> bool:
+    """Whether a launch of `kernel` adds into its operand `operand` (a scatter-add's `accumulate` input):
+    each element is read before the same element of the output is written, by the same thread, so the
+    output may be written over that operand's array, as over an accumulating GEMM's C."""
+    return kernel.attributes["kind"] == "scatter_add" and bool(kernel.attributes.get("accumulate")) and operand == 2
+
+
 def find_kernel(op: Operation) -> Operation | None:
     """The `kern.kernel` a launch names, looked up in the module holding the launch's graph."""
     name = kernel_symbol(op)

@@ -11,7 +11,10 @@ left. A merge is legal when the result fits `max-nodes`, creates no cycle
 (so a group never spans a GEMM, a pattern kernel or a template kernel that
 sits between its parts), and has a plan: a domain over which every output
 is stored row-major, every value computed inside is read at one index per
-element, and a reduction's result is read only by its epilogue.
+element, and a reduction's result is read only by its epilogue. A value of
+one element computed from values of one element (a schedule's `cos` of the
+step) is computed once a launch: never in a kernel that would compute it per
+element (`scalar_ops`).
 
 Around the groups:
 - `graph.matmul` becomes `kern.gemm` (cuBLASLt), a transpose of the last two
@@ -19,7 +22,8 @@ Around the groups:
   following bias add into the `bias` epilogue and a following add of a
   same-shaped buffer into `beta = 1` (the accumulating gradient);
 - `graph.scatter_add` becomes the deterministic scatter-add template kernel
-  (over rows; another axis is moved first by a fused copy);
+  (over rows; another axis is moved first by a fused copy), one whose only
+  use adds it to a buffer (the accumulating gradient) adding into that buffer;
 - a value a GEMM, a template kernel, the graph's outputs or an emit reads
   that is not a buffer or a free view of one (reshape, squeeze,
   expand_dims) is materialised: `kern.copy` (fused with its neighbours like
@@ -54,6 +58,7 @@ from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
 from ..dialects.graph import cast_dtype, func_kind, graph_funcs, is_derived, op_axis, transpose_perm
 from ..dialects.index_maps import Expr, reshape_index
 from ..dialects.printer import print_op
+from ..dialects.traits import Trait, has_trait
 from .dce import eliminate_dead_ops
 from .flat_updates import group_update_graph
 from .fuse_plan import (
@@ -227,7 +232,9 @@ def lower_func(func: Operation, kernels: KernelTable, cap: int | None, recompute
     launched: dict[Value, Value] = {}
     for group in groups:
         if group.plan is not None:
-            _launch_group(group.plan, kind, kernels, path_of, launched)
+            # An update graph's schedule scalars are a kernel of their own, not a multi-tensor update.
+            scalar = all(op in fusion.scalars for op in group.ops)
+            _launch_group(group.plan, "pointwise" if scalar else kind, kernels, path_of, launched)
             if group.size > 1:
                 sizes.append(group.size)
     for op in list(block.ops):
@@ -426,39 +433,53 @@ def _accumulable(other: Value, product: Value) -> bool:
 def lower_scatter_add(op: Operation, kernels: KernelTable) -> None:
     """`graph.scatter_add` as the deterministic scatter-add template over rows: indices flattened to
     [positions], updates to [positions, columns] (the indexed axes moved first by a copy when they
-    are not first), the result [dim, columns] viewed back."""
+    are not first), the result [dim, columns] viewed back.
+
+    An f32 scatter over rows whose only use adds it to a buffer of its type (`train_accumulating`'s
+    gradient sum) adds into that buffer instead, as an accumulating GEMM adds into its C (`accumulate`:
+    the buffer is its third input): no zeroed table, no add, and in place only the rows named are touched."""
     idx, upd = op.operands
     axis = op_axis(op)
+    final, initial = op.result, None
+    absorbed = _only_add(op.result) if axis == 0 and op.result.type.dtype == "f32" else None
+    if absorbed is not None and _accumulable(absorbed[1], op.result):
+        final, initial = absorbed[0].result, absorbed[1]
+    anchor = final.op  # the add, when absorbed: after the buffer it adds into
     rank = idx.type.rank
     positions = idx.type.numel
     before, after = upd.type.shape[:axis], upd.type.shape[axis + rank:]
     columns = math.prod(before) * math.prod(after)
-    indices = _reshape(legal_read(idx, op), [positions], op)
+    indices = _reshape(legal_read(idx, anchor), [positions], anchor)
     if axis:
         perm = [*range(axis, axis + rank), *range(axis), *range(axis + rank, upd.type.rank)]
-        moved = _create("graph.transpose", [upd], {"perm": perm}, op).result
-        upd = _create("kern.copy", [moved], {}, op).result
-    source = _reshape(legal_read(upd, op), [positions, columns], op)
+        moved = _create("graph.transpose", [upd], {"perm": perm}, anchor).result
+        upd = _create("kern.copy", [moved], {}, anchor).result
+    source = _reshape(legal_read(upd, anchor), [positions, columns], anchor)
     dim = op.attributes["dim"]
     out = TensorType((dim, columns), op.result.type.dtype)
+    operands = [indices, source]
+    if initial is not None:
+        operands.append(_reshape(legal_read(initial, anchor), [dim, columns], anchor))
     path = op.attributes.get("path", "")
-    attributes: dict[str, Any] = {"kind": "scatter_add", "inputs": [indices.type, source.type], "outputs": [out],
+    attributes: dict[str, Any] = {"kind": "scatter_add", "inputs": [v.type for v in operands], "outputs": [out],
                                   "path": path}
+    if initial is not None:
+        attributes["accumulate"] = True
     launch, sizes, scratch = kernels.target.plan_template("scatter_add", attributes)
     # A template's scratch buffer is one more output of the kernel, which nothing reads: plan-buffers
     # gives it arena space for the launch alone.
     attributes.update(launch.attributes(), sizes=sizes)
     attributes["outputs"] = [out, *(TensorType((nbytes // 4,), "f32") for nbytes in scratch)]
     symbol = kernels.intern(attributes, None, "scatter_add", op.loc)
-    result = _create("kern.launch", [indices, source], {"kernel": SymbolRef(symbol), "path": path}, op,
+    result = _create("kern.launch", operands, {"kernel": SymbolRef(symbol), "path": path}, anchor,
                      attributes["outputs"]).results[0]
     if axis:
-        unmoved = _reshape(result, [dim, *before, *after], op)
+        unmoved = _reshape(result, [dim, *before, *after], anchor)
         back = [*range(1, len(before) + 1), 0, *range(len(before) + 1, len(before) + 1 + len(after))]
-        result = _create("graph.transpose", [unmoved], {"perm": back}, op).result
-    result = _reshape(result, op.result.type.shape, op)
-    result.name_hint = op.result.name_hint
-    op.result.replace_all_uses_with(result)
+        result = _create("graph.transpose", [unmoved], {"perm": back}, anchor).result
+    result = _reshape(result, final.type.shape, anchor)
+    result.name_hint = final.name_hint
+    final.replace_all_uses_with(result)
 
 
 # -- reads that must be buffers ---------------------------------------------------------------
@@ -549,6 +570,8 @@ class Fusion:
         for group in reversed(self.groups):
             for reader in readers.get(group.index, ()):
                 group.descendants |= reader.descendants | reader.mask
+        #: Ops of one element computed from values of one element, computed once by whatever kernel has them.
+        self.scalars = scalar_ops(block, self.sources)
         #: The groups of more than one op (the only ones that add paths op ancestry does not show).
         self.fused: list[Group] = []
         #: Merges found illegal, by the groups' indices and versions.
@@ -620,6 +643,8 @@ class Fusion:
         plan = None
         if not self._creates_cycle(a, b):
             plan = plan_group(sorted([*a.ops, *b.ops], key=self.position.__getitem__), self.escapes, self.sources)
+        if plan is not None and any(plan.evaluations(op) > 1 for op in plan.ops if op in self.scalars):
+            plan = None
         if plan is None:
             self.refused.add(key)
         return plan
@@ -657,6 +682,20 @@ class Fusion:
             self.group_of[op] = a
         if a not in self.fused:
             self.fused.append(a)
+
+
+def scalar_ops(block: Block, sources: dict[Value, list[Value]]) -> set[Operation]:
+    """The block's elementwise ops of one element whose operands all have one element (a learning-rate
+    schedule's arithmetic on the step and the knobs, a bias correction's powers).
+
+    Inductor's scheduler fuses nodes of one iteration size: such a value is its own node of one element,
+    stored once and read by the large kernels with stride 0, where inlining it would recompute its `cos`
+    and `pow` in every thread. It may share a kernel with a reduction that computes it once (a full
+    reduction's epilogue). The step stays a device scalar, so a captured graph replays the computation."""
+    return {op for op in block.ops
+            if is_fusible(op) and not has_trait(op, Trait.REDUCTION) and op.results
+            and all(r.type.numel == 1 for r in op.results)
+            and all(s.type.numel == 1 for v in op.operands for s in view_sources(v, sources))}
 
 
 # -- kernels and launches ---------------------------------------------------------------------

@@ -123,9 +123,17 @@ class GroupPlan:
     sources: dict[tuple[Operation, Any], Source] = field(factory=dict)
     #: The domain-index expression an iota, one_hot, concat or scatter_add_along needs.
     index_exprs: dict[Operation, Expr] = field(factory=dict)
+    #: The ops that read a reduction's result: computed once per kept element, not per domain element.
+    epilogue: set[Operation] = field(factory=set)
 
     def input_number(self) -> dict[Access, int]:
         return {a: i for i, a in enumerate(self.inputs)}
+
+    def evaluations(self, op: Operation) -> int:
+        """How many times one launch computes `op`: once per kept element in the epilogue, else once per
+        element of the domain."""
+        reduced = math.prod(self.domain[a] for a in self.reduce_axes)
+        return math.prod(self.domain) // reduced if op in self.epilogue else math.prod(self.domain)
 
 
 def _kept_index(sizes: Sequence[int], axes: Sequence[int], keep: bool) -> tuple[Expr, ...]:
@@ -401,7 +409,8 @@ def _plan_in(ops: list[Operation], members: set[Operation], domain: tuple[int, .
     propagation = _Propagation(ops, members, domain, axes, epilogue)
     if not propagation.run(required):
         return None
-    plan = GroupPlan(ops, domain, axes, outputs, sources=propagation.sources, index_exprs=propagation.index_exprs)
+    plan = GroupPlan(ops, domain, axes, outputs, sources=propagation.sources, index_exprs=propagation.index_exprs,
+                     epilogue=epilogue)
     by_op: dict[Operation, list[Source]] = {}
     for (owner, _), source in propagation.sources.items():
         by_op.setdefault(owner, []).append(source)

@@ -12,8 +12,9 @@ The model of one launch: `time = max(bytes / bandwidth, FLOPs / peak) + launch c
 launch touches in device memory: every output written once; an input of a fused kernel read once per
 distinct element its index map reaches (a broadcast reads its source, a gather the rows the indices
 name, never more than the tensor holds); a template kernel reads its inputs whole (a gather or copy
-template at most one output's worth of its source); a GEMM reads A, B (a rank-2 operand shared by the batch once), the bias and C when
-it has them. FLOPs: a GEMM 2·m·n·k·batch; a fused kernel each arithmetic op of its body once per
+template at most one output's worth of its source; a scatter-add into the gradient so far, which the step
+runs in place, reads and writes the rows its indices can name); a GEMM reads A, B (a rank-2 operand shared
+by the batch once), the bias and C when it has them. FLOPs: a GEMM 2·m·n·k·batch; a fused kernel each arithmetic op of its body once per
 element of its domain (after a `kern.reduce`, once per kept element); a row or cross-entropy program a
 fixed count per element of its input (`ROW_FLOPS`, `CROSS_ENTROPY_FLOPS`); copies, fills and gathers
 none. The peak is the GPU's dense tensor-core peak of the GEMM's operand dtype times its achievable
@@ -147,7 +148,7 @@ def launch_costs(func: Operation, kernels: Mapping[str, Operation]) -> list[dict
                 costs.append({**_attention_cost(kernel), "path": op.attributes.get("path") or None})
                 continue
             read, flops = _kernel_reads_and_flops(kernel)
-            written = sum(t.nbytes for t in kernel.attributes["outputs"])
+            written = _written(kernel)
             costs.append({"kernel": kernel.attributes["sym_name"], "kind": kernel.attributes["kind"],
                           "path": op.attributes.get("path") or None, "bytes": read + written, "flops": flops,
                           "gemm": False, "math": None, "model_flops": 0})
@@ -200,8 +201,26 @@ def _kernel_reads_and_flops(kernel: Operation) -> tuple[int, int]:
         per_element = ROW_FLOPS[attrs["family"]] if kind == "row" else CROSS_ENTROPY_FLOPS[attrs["direction"]]
         return read, per_element * inputs[0].numel
     if kind == "scatter_add":
-        return read, max(t.numel for t in inputs if not t.dtype.startswith("i"))
+        flops = max(t.numel for t in inputs if not t.dtype.startswith("i"))
+        if attrs.get("accumulate"):  # the indices and updates whole, of what it adds into the rows named
+            return sum(t.nbytes for t in inputs[:2]) + _rows_added(kernel), flops
+        return read, flops
     return read, 0  # fill: data movement only; a kind outside MODELLED_KINDS: its bytes alone
+
+
+def _written(kernel: Operation) -> int:
+    """Bytes a launch of `kernel` writes: every output whole, but a scatter-add into the gradient so far,
+    which the step's driver runs in place, writes the rows its indices name."""
+    attrs = kernel.attributes
+    if attrs["kind"] == "scatter_add" and attrs.get("accumulate"):
+        return _rows_added(kernel)
+    return sum(t.nbytes for t in attrs["outputs"])
+
+
+def _rows_added(kernel: Operation) -> int:
+    """Bytes of the rows an accumulating scatter-add's indices can name: at most one per position."""
+    indices, _, initial = kernel.attributes["inputs"]
+    return _touched(initial, min(indices.numel, initial.shape[0]) * initial.shape[1])
 
 
 def _touched(tensor: TensorType, elements: int) -> int:

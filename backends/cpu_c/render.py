@@ -29,7 +29,7 @@ from ...dialects.core import Operation, TensorType, Value
 from ...dialects.graph import emit_collection, emit_name, graph_funcs, input_name, input_role, return_names
 from ...dialects.graph_semantics import numpy_dtypes
 from ...dialects.index_maps import Expr
-from ...dialects.kern import BODY_KINDS, find_kernel, gemm_dims
+from ...dialects.kern import BODY_KINDS, adds_into, find_kernel, gemm_dims
 from .attention import ATTENTION_PRELUDE, attention_code
 from .kernels import PRELUDE, STORAGE, FusedKernel, UnsupportedKernel, parameters
 from .templates import template_code
@@ -178,7 +178,7 @@ class ExternalValue:
     type: TensorType
     producer: int
     #: input index -> whether the producer reads it in a way that allows writing this value over it (an
-    #: elementwise kernel through the identity map, the C of an accumulating GEMM).
+    #: elementwise kernel through the identity map, the C of an accumulating GEMM, what a scatter adds into).
     reads_in_place: dict[int, bool]
 
 
@@ -298,7 +298,8 @@ class GraphLayout:
         attrs = kernel.attributes
         elementwise = attrs["kind"] in ELEMENTWISE_KINDS
         results = self._result_places(op)
-        self._reads(op, [elementwise and _identity_read(kernel, k) for k in range(len(op.operands))], results)
+        self._reads(op, [(elementwise and _identity_read(kernel, k)) or adds_into(kernel, k)
+                         for k in range(len(op.operands))], results)
         arguments = [self.pointer(v, const=True) for v in op.operands] + [self.pointer(r) for r in op.results]
         self.statements.append(f"{kernel_function(attrs['sym_name'])}({', '.join(arguments)});")
         self.labels.append(f"{attrs['kind']} {attrs['sym_name']}")

@@ -270,9 +270,10 @@ def _cross_entropy_backward(o: _Operands, rows: int, vocab: int, attrs: dict) ->
 def _scatter_add(kernel: Operation) -> str:
     """out = zeros, then out[indices[n], :] += src[n, :] for n in order, in f32 (a bf16 `out` through its f32
     scratch, rounded once); a negative index counts from the end, one out of range is skipped. Each
-    iteration owns a block of columns."""
+    iteration owns a block of columns. With `accumulate`, out starts as the third input (an f32 gradient
+    so far), copied only when `out` is not that array itself."""
     attrs = kernel.attributes
-    indices, src = attrs["inputs"]
+    indices, src = attrs["inputs"][:2]
     out = attrs["outputs"][0]
     positions, cols, out_rows = indices.numel, src.shape[-1], out.shape[0]
     sums = "out0" if out.dtype == "f32" else "out1"
@@ -281,11 +282,17 @@ def _scatter_add(kernel: Operation) -> str:
     rounding = "" if out.dtype == "f32" else (
         f"        for (long long v = 0; v < {out_rows}LL; ++v)\n"
         f"            for (long long c = c0; c < c1; ++c) {store(out.dtype, 'out0', f'v * {cols}LL + c', f'out1[v * {cols}LL + c]')}\n")
+    if attrs.get("accumulate"):
+        start = (f"        if ((const float*)out0 != in2)\n"
+                 f"            for (long long v = 0; v < {out_rows}LL; ++v)\n"
+                 f"                for (long long c = c0; c < c1; ++c) out0[v * {cols}LL + c] = in2[v * {cols}LL + c];\n")
+    else:
+        start = (f"        for (long long v = 0; v < {out_rows}LL; ++v)\n"
+                 f"            for (long long c = c0; c < c1; ++c) {sums}[v * {cols}LL + c] = 0.0f;\n")
     return (f"    {parallel_for(blocks, positions * cols)}\n"
             f"    for (long long cb = 0; cb < {blocks}LL; ++cb) {{\n"
             f"        const long long c0 = cb * {block}LL, c1 = c0 + {block}LL < {cols}LL ? c0 + {block}LL : {cols}LL;\n"
-            f"        for (long long v = 0; v < {out_rows}LL; ++v)\n"
-            f"            for (long long c = c0; c < c1; ++c) {sums}[v * {cols}LL + c] = 0.0f;\n"
+            f"{start}"
             f"        for (long long n = 0; n < {positions}LL; ++n) {{\n"
             f"            long long v = (long long)in0[n];\n"
             f"            if (v < 0) v += {out_rows}LL;\n"

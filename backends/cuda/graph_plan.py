@@ -30,7 +30,7 @@ from ...dialects.core import Operation, TensorType, Value
 from ...dialects.graph import emit_collection, emit_name, input_name, input_role, return_names
 from ...dialects.graph_semantics import numpy_dtypes
 from ...dialects.index_maps import Expr
-from ...dialects.kern import find_kernel, gemm_dims
+from ...dialects.kern import adds_into, find_kernel, gemm_dims
 from .cublaslt import GemmSpec
 
 #: Views that cost nothing: the same bytes read as another shape.
@@ -119,7 +119,7 @@ class ExternalValue:
     type: TensorType
     producer: int
     #: input index -> whether the producer reads it in a way that allows writing this value over it
-    #: (an elementwise kernel through the identity map, or the C of an accumulating GEMM).
+    #: (an elementwise kernel through the identity map, the C of an accumulating GEMM, what a scatter adds into).
     reads_in_place: dict[int, bool]
 
 
@@ -239,7 +239,8 @@ class GraphPlan:
         kind = attrs["kind"]
         elementwise = kind in ELEMENTWISE_KINDS
         results = self._result_places(op)
-        self._reads(op, [elementwise and _identity_read(kernel, k) for k in range(len(op.operands))], results)
+        self._reads(op, [(elementwise and _identity_read(kernel, k)) or adds_into(kernel, k)
+                         for k in range(len(op.operands))], results)
         operands = [self._places[v] for v in op.operands]
         path = str(op.attributes.get("path") or attrs.get("path") or "")
         symbol = str(attrs["sym_name"])

@@ -286,15 +286,19 @@ def gather_reference(table, indices):
     return np.where(valid[:, None], table[np.clip(wrapped, 0, rows - 1)], np.nan)
 
 
-def scatter_case(id, program, positions, out_rows, cols, awkward=False):
+def scatter_case(id, program, positions, out_rows, cols, awkward=False, accumulate=False):
     def make(rng):
         indices = rng.integers(0, min(out_rows, 5 + positions // 4), positions)  # many repeats
         if awkward:
             indices[1], indices[2] = -1, out_rows + 3
-        return {"indices": indices, "src": rng.standard_normal((positions, cols))}
+        initial = {"initial": rng.standard_normal((out_rows, cols))} if accumulate else {}
+        return {"indices": indices, "src": rng.standard_normal((positions, cols)), **initial}
 
-    return Case(id, program, {"positions": positions, "out_rows": out_rows}, make,
-                lambda a: {"out": scatter_reference(a["indices"], a["src"], out_rows)})
+    def reference(a):
+        fresh = scatter_reference(a["indices"], a["src"], out_rows)
+        return {"out": fresh + a["initial"] if accumulate else fresh}
+
+    return Case(id, program, {"positions": positions, "out_rows": out_rows}, make, reference)
 
 
 def copy_case(id, program, src_shape, view):
@@ -408,6 +412,10 @@ CASES = [
     scatter_case("scatter_add bf16 37 into 11x7 awkward", t.scatter_add(7, **BF16), 37, 11, 7, awkward=True),
     scatter_case("scatter_add bf16 to f32 i64 40 into 50304x8",
                  t.scatter_add(8, dtype="bf16", dtypes={"out": "f32", "indices": "i64"}), 40, 50304, 8),
+    scatter_case("scatter_add f32 37 added into 11x7 awkward", t.scatter_add(7, accumulate=True), 37, 11, 7,
+                 awkward=True, accumulate=True),
+    scatter_case("scatter_add f32 300 added into 50x768", t.scatter_add(768, accumulate=True), 300, 50, 768,
+                 accumulate=True),
     Case("fill f32 7 -inf", t.fill(value=-np.inf), {"count": 7}, lambda rng: {}, lambda a: {"out": np.full(7, -np.inf)}),
     Case("fill bf16 1001 0.1", t.fill(value=0.1, dtype="bf16"), {"count": 1001}, lambda rng: {},
          lambda a: {"out": np.full(1001, 0.1)}),
@@ -548,6 +556,29 @@ def test_scatter_add_f32_is_the_interpreters_sum_bit_for_bit_whatever_the_grid(d
         launch(device, module, program, values, grid)
         assert device.download(buffers["out"], np.float32, want.shape).tobytes() == want.tobytes(), parts
     for buf in buffers.values():
+        device.free(buf)
+
+
+def test_scatter_add_into_a_buffer_in_place_touches_only_the_rows_named(device, module):
+    """Accumulating in place (`out` is `initial`, as train_accumulating runs it): each named row is its
+    value plus its positions added in index order, as np.add.at from that value; every other row is left
+    alone (a NaN row stays NaN: never read or written); the same bits whatever the grid."""
+    program = t.scatter_add(768, accumulate=True)
+    rng = np.random.default_rng(11)
+    indices = rng.integers(0, 13, 300).astype(np.int32)
+    src = (rng.standard_normal((300, 768)) * np.exp(rng.uniform(-8, 8, (300, 1)))).astype(np.float32)
+    initial = rng.standard_normal((50, 768)).astype(np.float32)
+    initial[40] = np.nan  # a row no index names
+    table = device.upload(initial)
+    buffers = {"indices": device.upload(indices), "src": device.upload(src)}
+    want = initial.copy()
+    for parts in (None, 1, 7, 50):  # the grid's y size splits the rows among threads differently
+        np.add.at(want, indices, src)
+        values = buffers | {"initial": table, "out": table, "positions": 300, "out_rows": 50}
+        grid = None if parts is None else (program.launches(values)[0].shape.grid[0], parts, 1)
+        launch(device, module, program, values, grid)
+        assert device.download(table, np.float32, want.shape).tobytes() == want.tobytes(), parts
+    for buf in [table, *buffers.values()]:
         device.free(buf)
 
 

@@ -86,6 +86,36 @@ def test_a_fused_pointwise_kernel_counts_each_body_op_per_element(train_costs) -
     assert backward["bytes"] == F32 * (3 * elements + HIDDEN)
 
 
+@pytest.fixture(scope="module")
+def accumulating_costs() -> dict[str, list[dict]]:
+    """Every launch of tiny-gpt's smoke graphs with two microbatches (train accumulating, the updates)."""
+    register_targets()
+    unit = compile_unit(str(ROOT / "examples" / "tiny-gpt.sx"), "smoke", ["microbatches=2"])
+    run_pipeline(unit, "match-patterns,fuse,plan-buffers")
+    kernels = {op.attributes["sym_name"]: op for op in unit.module.body.ops if op.name == "kern.kernel"}
+    return {f.attributes["sym_name"]: launch_costs(f, kernels) for f in graph_funcs(unit.module)}
+
+
+def test_the_embedding_gradient_adds_into_the_gradient_so_far_by_the_rows_named(accumulating_costs) -> None:
+    costs = accumulating_costs["train_accumulating"]
+    scatter = first(costs, "scatter_add", "model.embed")
+    # Token ids [64] i32 and their gradient rows [64, 32] read; at most 64 of the 256 rows of the gradient so
+    # far read and written in place. No zeroed table and no add of two tables.
+    assert scatter["bytes"] == B * T * 4 + B * T * C * F32 + 2 * (B * T) * C * F32
+    assert not [c for c in costs if c["path"] == "model.embed" and c is not scatter]
+
+
+def test_the_schedule_scalars_are_computed_once_not_per_element(accumulating_costs) -> None:
+    update = accumulating_costs["update/default/*"]
+    scalars, tensors = update
+    assert scalars["kind"] == "pointwise" and scalars["bytes"] < 64 and scalars["flops"] < 64
+    assert tensors["kind"] == "multi_tensor_update"
+    # Per element: the weight decay, both moments, the square root, the bias correction, eps and the step:
+    # no cos and no powers of the betas.
+    numel = tensors["bytes"] // (F32 * 7)
+    assert tensors["flops"] <= 14 * numel
+
+
 def test_a_fused_attention_moves_its_operands_once_and_computes_up_to_the_diagonal(train_costs) -> None:
     heads, d = 4, C // 4
     row = B * heads * T * d * F32  # one of q, k, v, o, do, dq, dk, dv

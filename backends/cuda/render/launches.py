@@ -122,9 +122,10 @@ def template_program(kind: str, attributes: Mapping[str, Any]) -> KernelProgram:
         return templates.copy(domain, strides=strides, offset=attributes["maps"][0]["offset"],
                               dtype=outputs[0].dtype, dtypes={"src": inputs[0].dtype, "out": outputs[0].dtype})
     if kind == "scatter_add":
-        indices, src = inputs
+        indices, src = inputs[:2]
         return templates.scatter_add(src.shape[1], dtype=outputs[0].dtype,
-                                     dtypes={"indices": indices.dtype, "src": src.dtype, "out": outputs[0].dtype})
+                                     dtypes={"indices": indices.dtype, "src": src.dtype, "out": outputs[0].dtype},
+                                     accumulate=bool(attributes.get("accumulate", False)))
     raise ValueError(f"no template for kernel kind {kind!r}")
 
 

@@ -456,8 +456,12 @@ def gather(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> KernelPro
     return single(kernel)
 
 
-def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> KernelProgram:
+def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None, accumulate: bool = False) -> KernelProgram:
     """out = zeros [out_rows, cols], then out[indices[n], :] += src[n, :] for n in order (an embedding's gradient).
+
+    With `accumulate` (an f32 `out` only), out starts as the input `initial` instead of zeros (the
+    gradient so far of `train_accumulating`): copied row by row when `out` is another array, nothing
+    at all when it is `initial` itself (in place), so only the rows the indices name are touched.
 
     Deterministic without atomics: each element of `out` belongs to one
     thread (its column group, and its row modulo the grid's y size), which
@@ -473,8 +477,12 @@ def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> Kern
     groups = cols // vec
     threads = min(256, -(-groups // 32) * 32)
     direct = d["out"] == "f32"
-    params = [pointer_param("indices", d["indices"], "input"), pointer_param("src", d["src"], "input"),
-              pointer_param("out", d["out"], "output")]
+    if accumulate and not direct:
+        raise ValueError(f"scatter_add accumulates into an f32 out, not {d['out']}")
+    params = [pointer_param("indices", d["indices"], "input"), pointer_param("src", d["src"], "input")]
+    # `out` may be `initial` itself: neither is restrict then.
+    params += [pointer_param("initial", "f32", "input", restrict=False)] if accumulate else []
+    params += [pointer_param("out", d["out"], "output", restrict=not accumulate)]
     params += [] if direct else [pointer_param("accumulator", "f32", "scratch")]
     params += [size_param("positions"), size_param("out_rows")]
     sums = "out" if direct else "accumulator"
@@ -486,6 +494,19 @@ def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> Kern
         "            sx_st_vec(out + v * C + i * VEC, a);\n"
         "        }\n"
         "    }\n")
+    if accumulate:  # each thread's elements of `initial`, copied by the thread that adds into them
+        start = ("    if (active && (const float*)out != initial) {\n"
+                 "        for (long long v = part; v < out_rows; v += parts) {\n"
+                 "            float a[VEC];\n"
+                 "            sx_ld_vec(a, initial + v * C + i * VEC);\n"
+                 "            sx_st_vec(out + v * C + i * VEC, a);\n"
+                 "        }\n"
+                 "    }\n")
+    else:
+        start = ("    const float zeros[VEC] = {};\n"
+                 "    if (active) {\n"
+                 f"        for (long long v = part; v < out_rows; v += parts) sx_st_vec({sums} + v * C + i * VEC, zeros);\n"
+                 "    }\n")
     template = (
         kernel_head(threads, params) +
         f"    constexpr int C = {cols};\n"
@@ -495,10 +516,7 @@ def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> Kern
         f"    const int i = blockIdx.x * {threads} + threadIdx.x;\n"
         "    const bool active = i < NV;\n"
         "    const int part = blockIdx.y, parts = gridDim.y;\n"
-        "    const float zeros[VEC] = {};\n"
-        "    if (active) {\n"
-        f"        for (long long v = part; v < out_rows; v += parts) sx_st_vec({sums} + v * C + i * VEC, zeros);\n"
-        "    }\n"
+        f"{start}"
         f"    for (int base = 0; base < positions; base += {SCATTER_TILE}) {{\n"
         f"        const int count = min({SCATTER_TILE}, positions - base);\n"
         "        __syncthreads();  // the last tile is read by every thread before it is replaced\n"
@@ -522,7 +540,7 @@ def scatter_add(cols: int, *, dtype: str = "f32", dtypes: Dtypes = None) -> Kern
         "    }\n"
         f"{rounding}"
         "}\n")
-    name, code = finish(_stem("scatter_add", d, f"c{cols}"), template)
+    name, code = finish(_stem("scatter_add_into" if accumulate else "scatter_add", d, f"c{cols}"), template)
     blocks_x = -(-groups // threads)
 
     def shape(sizes: Mapping[str, int]) -> LaunchShape:
