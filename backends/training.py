@@ -136,8 +136,9 @@ class TrainingPlan:
     graphs (`passes.pipelines.run_graphs`), read once (the run's settings, parameters, loaders,
     evaluations, diagnostics and graphs)."""
 
-    def __init__(self, module: Operation, path: str) -> None:
+    def __init__(self, module: Operation, path: str, fingerprint: str | None = None) -> None:
         self.path = path
+        self._fingerprint = fingerprint
         ops = list(module.body.ops)
         self.module = module
         self.run_op = self._one(ops, "exp.run")
@@ -165,9 +166,10 @@ class TrainingPlan:
                 sets: dict[str, Any] | list[str] | None = None, stacking: bool = False) -> TrainingPlan:
         """The plan of the experiment file at `path` under a selection (the run pipeline's module; with
         `stacking`, for an executor that stacks microbatches, the stacking variants too)."""
-        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)),
-                            f"{TRAINING_PIPELINE},{run_graphs(stacking)}")
-        return cls(unit.module, path)
+        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
+        # The experiment's fingerprint, before the run's graphs rewrite it (`working-copies`) for the driver.
+        fingerprint = experiment_fingerprint(unit.module)
+        return cls(run_pipeline(unit, run_graphs(stacking)).module, path, fingerprint)
 
     @staticmethod
     def _one(ops: list[Any], name: str) -> Any:
@@ -192,19 +194,9 @@ class TrainingPlan:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """SHA-256 of the experiment's IR without locations, the selection line or the derived graphs.
-
-        Equal iff the same computation: a comment, a moved file or a knob set
-        to its default value changes nothing that runs. The graphs the run
-        pipeline derives follow from the others (and the stacking variants
-        from the device), so a checkpoint resumes on any device.
-        """
-        from ..dialects.printer import print_op
-
-        text = "\n".join(print_op(op) for op in self.module.body.ops
-                         if not (op.name == "graph.func" and is_derived(op)))
-        lines = [line for line in text.splitlines() if not line.startswith("exp.selection ")]
-        return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
+        """The experiment's fingerprint (`experiment_fingerprint`): of the training pipeline's module where
+        the plan was compiled from it, else of the plan's module."""
+        return self._fingerprint if self._fingerprint is not None else experiment_fingerprint(self.module)
 
     @functools.cached_property
     def source_hashes(self) -> dict[str, str]:
@@ -779,6 +771,24 @@ class Trainer(DeviceSetup):
         lines.append(("record", f"{display_path(str(self.out_dir))}/events.jsonl"))
         lines.append(("plot", f"sexpgpu plot {display_path(str(self.out_dir))}"))
         return lines
+
+
+def experiment_fingerprint(module: Operation) -> str:
+    """SHA-256 of the experiment's IR after the training pipeline, without locations, the selection line or
+    derived graphs.
+
+    Equal iff the same computation: a comment, a moved file or a knob set
+    to its default value changes nothing that runs. The graphs the run
+    pipeline derives or rewrites for the driver follow from these (the
+    stacking variants from the device, the working copies' reads and writes
+    from the precision), so a checkpoint resumes on any device and `sample`
+    (which compiles no run graphs) recognises it.
+    """
+    from ..dialects.printer import print_op
+
+    text = "\n".join(print_op(op) for op in module.body.ops if not (op.name == "graph.func" and is_derived(op)))
+    lines = [line for line in text.splitlines() if not line.startswith("exp.selection ")]
+    return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
 
 
 def unigram_entropy(loader: Loader, limit: int = 1 << 24) -> float | None:
