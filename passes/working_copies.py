@@ -8,9 +8,10 @@ f32 master, and every forward reads that copy. This pass does the same in
 the IR, for each f32 parameter `p` that has an update graph and that a graph
 the training driver feeds parameters to (kind train, train_accumulating,
 train_stacked, train_diagnosed or evaluation) casts to bf16, directly or
-through transposes and reshapes of it:
+through transposes, reshapes, broadcasts and takes of it (a weight and its
+Wᵀ, a bias broadcast over the rows, an embedding's gathered rows):
 
-- every such cast in those graphs becomes the same transposes and reshapes of
+- every such cast in those graphs becomes the same ops applied to
   a new input `graph.input {name = "bf16/<p>", role = "working_copy"}` of p's
   shape in bf16; p's own input stays where something else reads it;
 - p's update graph returns one more value, `bf16`: its new parameter cast to
@@ -23,7 +24,7 @@ through transposes and reshapes of it:
   of a run and on resume), so the copies are derived state that checkpoints
   do not hold.
 
-A cast commutes with transposes and reshapes (they move elements, the cast
+A cast commutes with those ops (they move or repeat elements, the cast
 rounds each one alone) and the copy is the same rounding of the same f32
 value, so every graph computes bit-identical values. A module where no graph
 casts a parameter with an update graph is unchanged, so the pass is
@@ -44,8 +45,12 @@ from .manager import CompilationUnit, Pass, register_pass
 
 #: The graphs whose parameter casts read working copies: those the training driver feeds parameters to.
 READING_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation")
-#: Ops that only move elements: a cast of their result is the same op applied to the cast operand.
-_MOVES = ("graph.transpose", "graph.reshape")
+#: Ops that only move or repeat the elements of their first operand (a take's other operand is its
+#: indices): a cast of their result is the same op applied to the cast first operand.
+_MOVES = ("graph.transpose", "graph.reshape", "graph.broadcast", "graph.take")
+#: Moves that write a tensor of their own: taken only where the cast is their one reader, so the rewrite
+#: never makes a second broadcast or gather beside one that something else reads in f32.
+_WRITING_MOVES = ("graph.broadcast", "graph.take")
 #: The input role, name prefix and update output of a working copy.
 ROLE = "working_copy"
 PREFIX = "bf16/"
@@ -62,6 +67,8 @@ def cast_parameter(cast: Operation) -> tuple[Operation, list[Operation]] | None:
     moves: list[Operation] = []
     value = cast.operands[0]
     while value.op is not None and value.op.name in _MOVES:
+        if value.op.name in _WRITING_MOVES and len(value.uses) != 1:
+            return None
         moves.append(value.op)
         value = value.op.operands[0]
     source = value.op
@@ -86,8 +93,8 @@ class ReadWorkingCopy(RewritePattern):
         param, moves = found
         value = self.copy_of(param, rewriter)
         for move in moves:
-            value = rewriter.create(move.name, [value], dict(move.attributes), [move.result.type.with_dtype("bf16")],
-                                    move.loc, before=op).result
+            value = rewriter.create(move.name, [value, *move.operands[1:]], dict(move.attributes),
+                                    [move.result.type.with_dtype("bf16")], move.loc, before=op).result
         rewriter.replace_op(op, [value])
         return True
 
@@ -144,7 +151,8 @@ class WorkingCopies(Pass):
     """Gives each f32 parameter that the driver's graphs cast to bf16 a bf16 working copy its update writes.
 
     Guarantees: no graph of kind train, train_accumulating, train_stacked,
-    train_diagnosed or evaluation casts (through transposes and reshapes) an
+    train_diagnosed or evaluation casts (through transposes, reshapes,
+    broadcasts and takes) an
     f32 parameter that has an update graph to bf16; each reads input
     `bf16/<p>` (role working_copy) instead; each such parameter's update
     graph returns `bf16`, the bf16 rounding of the `param` it returns;
