@@ -40,7 +40,6 @@ from attrs import define, field
 from ..dialects.core import Builder, Operation, Region, Value
 from ..dialects.graph import erase_derived, func_kind, graph_funcs, input_name, input_role, return_names
 from ..dialects.rewriting import PatternRewriter, RewritePattern, apply_patterns_greedily
-from .flat_updates import param_type
 from .manager import CompilationUnit, Pass, register_pass
 
 #: The graphs whose parameter casts read working copies: those the training driver feeds parameters to.
@@ -125,16 +124,16 @@ def write_copy(update: Operation) -> None:
     update.verify()
 
 
-def maker_graph(updates: dict[str, Operation]) -> Operation:
-    """`@working_copies`: the parameter of each update graph of `updates` (by path) cast to bf16."""
-    loc = next(iter(updates.values())).loc
+def maker_graph(params: dict[str, Operation]) -> Operation:
+    """`@working_copies`: each parameter of `params` (path → its `exp.param`) cast to bf16."""
+    loc = next(iter(params.values())).loc
     func = Operation.create("graph.func", attributes={"sym_name": MAKER, "kind": MAKER, "derived": True},
                             regions=[Region.with_block()], loc=loc)
     b = Builder(func.body, loc=loc)
-    inputs = [b.create("graph.input", (), {"name": path, "role": "param"}, result_types=[param_type(update)]).result
-              for path, update in updates.items()]
+    inputs = [b.create("graph.input", (), {"name": path, "role": "param"}, result_types=[op.attributes["type"]]).result
+              for path, op in params.items()]
     casts = [b.value("graph.cast", value, dtype="bf16") for value in inputs]
-    b.create("graph.return", casts, {"names": [PREFIX + path for path in updates]})
+    b.create("graph.return", casts, {"names": [PREFIX + path for path in params]})
     func.verify()
     return func
 
@@ -177,4 +176,5 @@ class WorkingCopies(Pass):
         for update in copied.values():
             write_copy(update)
         if copied:
-            module.body.append(maker_graph(copied))
+            params = {op.attributes["path"]: op for op in module.body.ops if op.name == "exp.param"}
+            module.body.append(maker_graph({path: params[path] for path in copied}))
