@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from attrs import frozen
 
 from ..diagnostics import SxError
 
@@ -187,6 +188,16 @@ class MpiCommunicator(Communicator):
 
     def abort(self, code: int) -> None:
         self._comm.Abort(code)
+
+
+@frozen
+class CollectivesPlan:
+    """How the ranks of a device will meet for a step's gradients, said before any rank starts (`explain
+    --ranks`): the transport a run's manifest names (`NCCL`, `MPI`) and, for device arrays that MPI reaches
+    through host memory (`HostStaging`), why the device's own collectives do not serve them."""
+
+    transport: str
+    host_staging: str | None = None
 
 
 class DeviceCollectives(ABC):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from ..dialects.core import Operation, TensorType
     from ..passes.lowering_report import LoweringFacts
-    from .distributed import Communicator, DeviceCollectives
+    from .distributed import CollectivesPlan, Communicator, DeviceCollectives
 
 #: How the layer above the executors renders their lowering facts as text (`sexpgpu.report.lowering_text`):
 #: the training driver takes one to print a run's lowering report, since no backend renders a report.
@@ -100,6 +100,9 @@ class Executor(ABC):
     #: Whether `stacking` may choose more than one microbatch a call: the driver then compiles the
     #: stacking variants for it (`passes.pipelines.STACK_VARIANTS`).
     stacks_microbatches: bool = False
+    #: The lowering pipeline `compile` runs after the training pipeline (`passes/pipelines.py`), which says
+    #: what the device fuses (`passes.match_patterns.fuses_attention`); None where graphs run as they are.
+    lowering_pipeline: str | None = None
 
     @abstractmethod
     def compile(self, func: Operation) -> Executable:
@@ -159,6 +162,13 @@ class Executor(ABC):
         """The device's own collectives over the ranks of `world` (NCCL on a GPU), or None: the
         gradients meet through host buffers and `world` (`distributed.HostStaging`)."""
         return None
+
+    def planned_collectives(self, ranks: int) -> CollectivesPlan:
+        """What `collectives` will choose for `ranks` ranks of this device on this machine, said before any
+        rank starts (`explain --ranks`); by default MPI's, on the host arrays themselves."""
+        from .distributed import CollectivesPlan
+
+        return CollectivesPlan("MPI")
 
 
 class ExecutorUnavailable(SxError):

@@ -9,7 +9,8 @@ ones (FlashAttention-2's convention: forward 4*B*H*T^2*d, halved when causal; ba
 backward here executes 3.5 times, as dK/dV and dQ each recompute S and dP instead of adding dQ atomically),
 its arithmetic intensity and its modelled time on an H200: max(bytes / 4.8 TB/s, FLOPs / peak), the peak
 being the tensor cores' 989 TFLOP/s (dense bf16) for the products made by wmma (every bf16 kernel but
-`delta` at d=64) and the CUDA cores' 67 TFLOP/s (f32 FMA) for the rest. Then the step's totals (12 layers x 8 microbatches), and for scale
+`delta` at d=64) and the CUDA cores' 67 TFLOP/s (f32 FMA) for the rest (the H200 of the step estimate's
+table, `passes/roofline.GPUS`, with its datasheet source). Then the step's totals (12 layers x 8 microbatches), and for scale
 the bytes an unfused path cannot avoid: the T x T scores, probabilities, their gradient and dS each
 written once and read once in bf16 (the materialised lowering measured in issue 17 moves about 18 such
 passes, some in f32).
@@ -45,11 +46,14 @@ from sexpgpu.backends.cuda.render.attention import (
     tensor_cores_fit,
 )
 from sexpgpu.backends.cuda.render.kernel_source import KernelProgram
+from sexpgpu.passes.roofline import GPUS
 
 BATCH, HEADS_COUNT, SEQ, HEAD_DIM, LAYERS, MICROBATCHES = 4, 12, 1024, 64, 12, 8
-BANDWIDTH = 4.8e12
-TENSOR_PEAK = 989e12
-FMA_PEAK = 67e12
+#: The GPU the model times (its figures and their datasheet sources: `passes/roofline.GPUS`).
+GPU = GPUS["h200"]
+BANDWIDTH = GPU.bandwidth
+TENSOR_PEAK = GPU.bf16_peak
+FMA_PEAK = GPU.f32_peak
 BF16, F32 = 2, 4
 
 
@@ -90,7 +94,7 @@ def model() -> dict[str, object]:
     rows = launches(forward, backward)
     per_step = LAYERS * MICROBATCHES
     print(f"GPT-2 small attention: B={BATCH} H={HEADS_COUNT} T={SEQ} d={HEAD_DIM}, {LAYERS} layers x "
-          f"{MICROBATCHES} microbatches, bf16, causal, packed layout; H200 {BANDWIDTH / 1e12:.1f} TB/s, "
+          f"{MICROBATCHES} microbatches, bf16, causal, packed layout; {GPU.name} {BANDWIDTH / 1e12:.1f} TB/s, "
           f"{TENSOR_PEAK / 1e12:.0f} TFLOP/s tensor, {FMA_PEAK / 1e12:.0f} TFLOP/s FMA\n")
     print(f"{'launch':16} {'MB':>8} {'GFLOP exec':>11} {'GFLOP useful':>13} {'FLOP/B':>8} {'peak':>6} {'us':>8}")
     total_bytes = total_flops = total_useful = total_time = 0.0

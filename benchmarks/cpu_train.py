@@ -41,9 +41,16 @@ EXAMPLE = ROOT / "examples" / "gpt.sx"
 
 
 def set_threads(threads: int) -> None:
-    """Fix BLAS and OpenMP thread counts before numpy or torch load their libraries."""
+    """Fix BLAS and OpenMP thread counts before numpy or torch load their libraries.
+
+    OpenBLAS's idle threads otherwise poll for about 2^28 cycles (a tenth of a second) after each call: the
+    interpreter's matmuls would leave a thread spinning through most of the next side's step, taking a core
+    from it (measured: a 2-thread cpu-c step 118 ms right after an interpreter step, 50 ms otherwise).
+    `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles, OpenBLAS's minimum) puts them to sleep at once, so the sides'
+    steps do not run into each other. Set it yourself to override."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, float], float]:

@@ -45,9 +45,11 @@ as that; this model's output projection is a parameter of its own, so N is
 the same 124,475,904 (of 163,109,376 trained) and the figures compare with
 llm.c's. L layers, d width, T the sequence length; causal masking is not
 discounted (llm.c does not either). MFU = FLOPs per token x tokens/s over the
-chip's dense bf16 peak: 989.4 TFLOP/s for an H100 or H200 SXM (NVIDIA's
-datasheet, the figure llm.c divides by, so its ~38% on an H100 compares
-directly; an H200 has the H100's arithmetic with faster memory). The table
+chip's dense bf16 peak, from the step estimate's table of GPUs with its
+datasheet sources (`passes/roofline.GPUS`; SXM boards, a PCIe or NVL board is
+not measured): 989 TFLOP/s for an H100 or H200 SXM (NVIDIA's datasheet, the
+figure llm.c divides by, so its ~38% on an H100 compares directly; an H200
+has the H100's arithmetic with faster memory). The table
 also gives the bf16 matmul rate measured on the same GPU (8192^3 products of
 random data through PyTorch), which is what a training step can approach.
 
@@ -89,9 +91,6 @@ EXAMPLE = ROOT / "examples" / "gpt2-small.sx"
 SIDES = ("sexpgpu", "eager", "compile")
 LABELS = {"sexpgpu": "sexpgpu", "eager": "pytorch eager", "compile": "torch.compile"}
 TINY = ["layers=1", "width=64", "heads=2", "seq=32"]
-#: Dense bf16 peak in TFLOP/s by device name (NVIDIA's datasheets; the first name found in the device's wins).
-PEAKS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4),
-         ("A100", 312.0))
 #: Each side's share of the time budget (what a side leaves unused goes to the later ones).
 SHARES = {"sexpgpu": 0.3, "eager": 0.2, "compile": 0.5}
 NOT_MEASURED = "not measured"
@@ -120,10 +119,12 @@ def model_figures(plan: Any) -> dict[str, Any]:
 
 
 def peak_tflops(device_name: str | None) -> float | None:
-    for name, peak in PEAKS:
-        if device_name and name in device_name:
-            return peak
-    return None
+    """The dense bf16 peak of the GPU named `device_name` in TFLOP/s, from the step estimate's table of GPUs
+    and its datasheet sources (`passes/roofline.GPUS`); None for a GPU not in it."""
+    from sexpgpu.passes.roofline import gpu_named
+
+    gpu = gpu_named(device_name)
+    return gpu.bf16_peak / 1e12 if gpu is not None else None
 
 
 # --- one side, in its own process ------------------------------------------------------------------------
@@ -420,7 +421,7 @@ def format_table(summary: dict[str, Any], sides: dict[str, dict[str, Any]], dry_
     peak = summary["peak_tflops"]
     device = summary["device"] or ("no GPU (dry run)" if dry_run else "no GPU")
     lines.append(f"device {device}; bf16 dense peak "
-                 + (f"{peak} TFLOP/s (datasheet)" if peak else NOT_MEASURED + " (unknown device)")
+                 + (f"{peak:g} TFLOP/s (datasheet)" if peak else NOT_MEASURED + " (unknown device)")
                  + "; bf16 matmul measured "
                  + (f"{summary['matmul_tflops']:.0f} TFLOP/s" if summary["matmul_tflops"] else NOT_MEASURED))
     lines.append("")

@@ -68,6 +68,7 @@ from .fuse_plan import (
     splat_value,
     view_sources,
 )
+from .fuse_recompute import recompute_pointwise
 from .gemm_layouts import precedes
 from .manager import CompilationUnit, Pass, register_pass
 from .targets import KernelTarget, kernel_target
@@ -92,13 +93,17 @@ class Fuse(Pass):
     buffers, `graph.const` with a dense value, `kern.launch` of module-level
     `kern.kernel`s and `kern.gemm`; each launch computes what the ops it
     replaced computed; no group has more than `max-nodes` nodes (update
-    graphs aside) or spans a GEMM or a pattern kernel. An op the lowering does
+    graphs and ops recomputed after a GEMM aside) or spans a GEMM or a
+    pattern kernel. An op the lowering does
     not take is a located error.
     """
 
     name = "fuse"
     summary = "fuse pointwise, reduction and index ops into kernels; matmuls become cuBLASLt GEMMs"
     max_nodes: int = 15
+    #: The most elementwise ops recomputed in a reader's kernel for a value another kernel would store only
+    #: for it (`passes/fuse_recompute.py`); 0 stores every such value.
+    recompute: int = 8
     #: The kernel target that plans each kernel's launch (`passes/targets.py`).
     target: str = "cuda"
 
@@ -106,6 +111,8 @@ class Fuse(Pass):
         module = unit.require_module(self.name)
         if self.max_nodes < 1:
             raise UsageError(f"option 'max-nodes' of pass 'fuse' must be at least 1, not {self.max_nodes}")
+        if self.recompute < 0:
+            raise UsageError(f"option 'recompute' of pass 'fuse' must be at least 0, not {self.recompute}")
         facts = unit.facts.lowering_facts()
         kernels = KernelTable(module, kernel_target(self.target))
         updates, fell_back = merge_update_groups(module)
@@ -114,7 +121,7 @@ class Fuse(Pass):
         graphs = facts.graphs = facts.graphs if facts.graphs is not None else {}
         for func in graph_funcs(module):
             cap = None if func_kind(func) in OPTIMIZER_GRAPH_KINDS else self.max_nodes
-            graphs[func.attributes["sym_name"]] = lower_func(func, kernels, cap)
+            graphs[func.attributes["sym_name"]] = lower_func(func, kernels, cap, self.recompute)
         kernels.place()
         facts.kernels = len(kernels.symbols)
 
@@ -196,7 +203,7 @@ def merge_update_groups(module: Operation) -> tuple[dict[str, dict[str, Any]], l
 # -- one graph --------------------------------------------------------------------------------
 
 
-def lower_func(func: Operation, kernels: KernelTable, cap: int | None) -> dict[str, Any]:
+def lower_func(func: Operation, kernels: KernelTable, cap: int | None, recompute: int = 0) -> dict[str, Any]:
     """Lower one `graph.func` in place; the facts of its row in the lowering report."""
     block = func.body
     eliminate_dead_ops(block)
@@ -212,7 +219,10 @@ def lower_func(func: Operation, kernels: KernelTable, cap: int | None) -> dict[s
     eliminate_dead_ops(block)
     path_of = {op: op.attributes["path"] for op in block.ops if isinstance(op.attributes.get("path"), str)}
     kind = "multi_tensor_update" if func_kind(func) == "update" else "pointwise"
-    groups = Fusion(block, cap).run()
+    fusion = Fusion(block, cap)
+    groups = fusion.run()
+    barriers = sum(group.mask for group in fusion.groups if not group.fusible)
+    groups = recompute_pointwise(groups, barriers, fusion.escapes, fusion.sources, recompute)
     sizes = []
     launched: dict[Value, Value] = {}
     for group in groups:

@@ -45,7 +45,7 @@ from ..dialects.graph import graph_funcs
 from ..dialects.kern import kernel_attributes
 from ..dialects.printer import print_attr_dict
 from ..dialects.rewriting import GreedyRewriteDriver, PatternRewriter, RewritePattern
-from .manager import CompilationUnit, Pass, register_pass
+from .manager import CompilationUnit, Pass, parse_pipeline, register_pass
 from .patterns import attention as attention_family
 from .patterns.attention import AttentionPlan, find_attention, plan_attention
 from .patterns.domain import is_float_cast
@@ -604,3 +604,10 @@ def _casts_reading(reader: Operation) -> list[Operation]:
         if users and all(is_float_cast(u) for u in users):
             return users
     return []
+
+
+def fuses_attention(pipeline: str) -> bool:
+    """Whether a lowering `pipeline` makes attention regions its target's fused attention kernels: its
+    `match-patterns` asks for them (option `attention`) and its target has some (`attention_head_dims`)."""
+    return any(isinstance(step, MatchPatterns) and step.attention and bool(kernel_target(step.target).attention_head_dims)
+               for step in parse_pipeline(pipeline))

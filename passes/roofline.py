@@ -250,6 +250,20 @@ def _body_flops(kernel: Operation) -> int:
 # -- the step on one GPU --------------------------------------------------------------------------
 
 
+#: A board named with one of these has other clocks, memory and bandwidth than the SXM board of the same
+#: chip that `GPUS` describes (H100 PCIe: 756 dense bf16 TFLOP/s against the SXM's 989).
+OTHER_BOARDS = ("pcie", "nvl")
+
+
+def gpu_named(device_name: str | None) -> Gpu | None:
+    """The GPU of `GPUS` a device reports itself as (its CUDA name: "NVIDIA H100 80GB HBM3", "NVIDIA
+    A100-SXM4-80GB"); None for one the table lacks, the PCIe and NVL boards of its chips included."""
+    name = (device_name or "").lower()
+    if not name or any(board in name for board in OTHER_BOARDS):
+        return None
+    return next((gpu for gpu in GPUS.values() if gpu.key in name), None)
+
+
 def unknown_gpu_message(name: str) -> str:
     """The one line `--gpu NAME` prints for a GPU not in the table."""
     return f"--gpu must be one of {', '.join(GPUS)}, not {name}"

@@ -21,21 +21,20 @@ import argparse
 import json
 import os
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..backends.devices import open_device, require_available
 from ..diagnostics import SxError, UsageError
 from ..passes.lowering_report import without_launches
 from ..passes.manager import CompilationUnit, run_pipeline
-from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
+from ..passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE, run_graphs
 from ..passes.roofline import GPUS, Gpu, estimate, stacking_on, unknown_gpu_message
 from ..report.document import build_document, ranks_document
 from ..report.explain_text import render_text
 from .common import add_device_flag, add_ranks_flag, requested_ranks
 
-#: Devices whose lowering fuses attention: their explain skips `step.attention_unheld` (seconds of pattern
-#: matching on GPT-2 small), since their lowering report and arena plan say what they hold.
-FUSING_ATTENTION = ("cuda", "cuda-sim")
+if TYPE_CHECKING:
+    from ..backends.distributed import CollectivesPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,16 +63,26 @@ def listed_launches() -> bool:
     return value == "kernels"
 
 
+def attention_unheld_wanted(lowering_pipeline: str | None) -> bool:
+    """Whether the report names the attention tensors a fusing target would not hold (`step.attention_unheld`):
+    not where the explained lowering fuses attention itself, whose lowering report and arena plan say what it
+    holds (the recogniser costs seconds on GPT-2 small)."""
+    from ..passes.match_patterns import fuses_attention
+
+    return lowering_pipeline is None or not fuses_attention(lowering_pipeline)
+
+
 def opened_device_document(args: argparse.Namespace) -> dict:
     """The report's document with the lowering the opened device made of a run's graphs under `device`."""
     from ..backends.training import DeviceSetup, TrainingPlan
 
     executor = open_device(args.device, "explain")
     unit = compile_unit(args.file, args.variant, args.set)
-    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=args.device not in FUSING_ATTENTION)
+    document = build_document(unit.module, unit.facts, unit.path,
+                              attention_unheld=attention_unheld_wanted(executor.lowering_pipeline))
     ranks = requested_ranks(args)
     if ranks > 1:
-        with_ranks(document, unit, ranks)
+        with_ranks(document, unit, ranks, executor.planned_collectives(ranks))
     # The graphs a run derives for the driver, after the document (which shows the experiment's).
     run_pipeline(unit, run_graphs(executor.stacks_microbatches))
     DeviceSetup(TrainingPlan(unit.module, unit.path), executor)
@@ -82,13 +91,14 @@ def opened_device_document(args: argparse.Namespace) -> dict:
     return document
 
 
-def with_ranks(document: dict, unit: CompilationUnit, ranks: int) -> dict:
-    """The document with its `ranks` section (`--ranks N` or several `SEXPGPU_DEVICES`)."""
+def with_ranks(document: dict, unit: CompilationUnit, ranks: int, collectives: CollectivesPlan) -> dict:
+    """The document with its `ranks` section (`--ranks N` or several `SEXPGPU_DEVICES`), its collectives
+    through what the device plans for that many ranks."""
     from ..backends.ranks import local_microbatches
 
     run_op = next(op for op in unit.module.body.ops if op.name == "exp.run")
     local_microbatches(int(run_op.attributes["microbatches"]), ranks, run_op.loc)
-    document["ranks"] = ranks_document(unit.module, document, ranks)
+    document["ranks"] = ranks_document(unit.module, document, ranks, collectives.transport, collectives.host_staging)
     return document
 
 
@@ -136,11 +146,12 @@ def target_document(file: str, variant: str | None, sets: list[str], arch: str, 
     costs kept, no device opened (`--target`). `train stacked` is lowered at the smallest degree above 1, or
     with `gpu` at the degree a run on that GPU would choose."""
     from ..backends.cuda.lowering import lowering_report, stack_for_report
+    from ..backends.cuda.nccl import planned_collectives
 
     unit = compile_unit(file, variant, sets)
-    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=False)
+    document = build_document(unit.module, unit.facts, unit.path, attention_unheld=attention_unheld_wanted(CUDA_LOWERING))
     if ranks > 1:
-        with_ranks(document, unit, ranks)
+        with_ranks(document, unit, ranks, planned_collectives("cuda", ranks))
     document["device"] = lowering_report(unit, arch, stack=stack_for_report(unit.module), launches=True)
     stack = gpu_stacking(document["device"], gpu) if gpu is not None else None
     if stack is not None and stack != document["device"]["stacking"]["planned"]:
@@ -155,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
     gpu = requested_gpu(args)
     ranks = requested_ranks(args)
     if args.device == "cpu" and ranks > 1:
-        require_available(args.device, "explain")
+        collectives = open_device(args.device, "explain").planned_collectives(ranks)
         unit = compile_unit(args.file, args.variant, args.set)
-        document = with_ranks(build_document(unit.module, unit.facts, unit.path), unit, ranks)
+        document = with_ranks(build_document(unit.module, unit.facts, unit.path), unit, ranks, collectives)
         sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n" if args.json else render_text(document))
         return 0
     if args.device == "cpu":

@@ -77,6 +77,7 @@ class CpuCExecutor(HostArrays, Executor):
     """Runs graphs as compiled C on the host's cores; see the module docstring."""
 
     device = "cpu-c"
+    lowering_pipeline = CPU_C_LOWERING
 
     def __init__(self, threads: int | None = None, profiled: bool = False) -> None:
         self.threads = thread_count(threads)
@@ -140,7 +141,7 @@ class CpuCExecutor(HostArrays, Executor):
         # families); the C renderer reads that plan and ignores its launch shapes.
         from ..cuda import target  # noqa: F401  (registers it)
 
-        unit = run_pipeline(CompilationUnit(module=module), CPU_C_LOWERING)
+        unit = run_pipeline(CompilationUnit(module=module), self.lowering_pipeline)
         rendered = render_module(module, self.profiled)
         try:
             library, from_cache = compile_shared(rendered.units)

@@ -42,7 +42,8 @@ from ...dialects.exp import graph_title
 from ...dialects.graph import graph_funcs, is_derived
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, UnitFacts
-from ..distributed import Communicator, DeviceCollectives
+from ...passes.pipelines import CUDA_LOWERING
+from ..distributed import CollectivesPlan, Communicator, DeviceCollectives
 from ..executor import DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
@@ -83,6 +84,7 @@ class CudaExecutor(Executor):
     """Runs graphs on a CUDA device (or cuda-sim) through `DeviceRuntime`; see the module docstring."""
 
     stacks_microbatches = True
+    lowering_pipeline = CUDA_LOWERING
 
     def __init__(self, device: str = "cuda", runtime: DeviceRuntime | None = None, capture: bool | None = None,
                  **runtime_options: Any) -> None:
@@ -279,11 +281,11 @@ class CudaExecutor(Executor):
         (host staging through MPI) on cuda-sim, with `SEXPGPU_NCCL=off`, without the NCCL library, or
         where two ranks share a GPU, which NCCL refuses. Ranks of a torchrun-style launch (`NcclWorld`)
         already share a communicator."""
-        from .nccl import NcclCollectives, NcclWorld, nccl_setting, open_nccl_collectives
+        from .nccl import NcclCollectives, NcclWorld, nccl_refused, open_nccl_collectives
 
         if isinstance(world, NcclWorld):
             return NcclCollectives(self.runtime, world.comm)
-        if world.size == 1 or self.device != "cuda" or not nccl_setting():
+        if world.size == 1 or nccl_refused(self.device) is not None:
             return None
         places = world.broadcast(world.gather((socket.gethostname(), self.runtime.device.index)))
         if len(set(places)) < len(places):
@@ -292,6 +294,11 @@ class CudaExecutor(Executor):
                       file=sys.stderr)
             return None
         return open_nccl_collectives(self.runtime, world)
+
+    def planned_collectives(self, ranks: int) -> CollectivesPlan:
+        from .nccl import planned_collectives
+
+        return planned_collectives(self.device, ranks)
 
 
 def _add_stacked_rows(document: dict[str, Any], experiment: Operation, stacked: LoweredModule, arch: str,

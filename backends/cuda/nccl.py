@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 
 from ...diagnostics import SxError
-from ..distributed import Communicator, DeviceCollectives
+from ..distributed import CollectivesPlan, Communicator, DeviceCollectives
 from ..rendezvous import share_bytes
 from .errors import CudaToolchainMissing
 from .memory import CudaArray
 from .runtime import DeviceRuntime
-from .selection import open_runtime, switch_setting
+from .selection import open_runtime, rank_device_ids, switch_setting
 
 #: ncclDataType_t, by IR dtype.
 DATA_TYPES = {"i8": 0, "u8": 1, "i32": 2, "u32": 3, "i64": 4, "u64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
@@ -218,6 +218,34 @@ class NcclComm:
 def nccl_setting() -> bool:
     """`SEXPGPU_NCCL`: `off` makes GPU ranks reduce through MPI by host staging (default on)."""
     return switch_setting("SEXPGPU_NCCL")
+
+
+def nccl_refused(device: str) -> str | None:
+    """Why ranks of `device` reduce by host staging whatever their GPUs (cuda-sim, `SEXPGPU_NCCL=off`); None
+    where NCCL may serve them."""
+    if device != "cuda":
+        return f"{device} has no NCCL"
+    if not nccl_setting():
+        return "SEXPGPU_NCCL=off"
+    return None
+
+
+def planned_collectives(device: str, ranks: int) -> CollectivesPlan:
+    """What `CudaExecutor.collectives` will choose for `ranks` ranks of `device` started on this machine
+    (`sexpgpu run`: each opens its id of `SEXPGPU_DEVICES`), said before they start: NCCL, or MPI by host
+    staging and why (the device, the setting, ranks sharing a GPU, the library missing here)."""
+    why = nccl_refused(device)
+    if why is None:
+        ids = rank_device_ids(ranks)
+        shared = next((i for i in ids if ids.count(i) > 1), None)
+        if shared is not None:
+            why = f"ranks share GPU {shared}, which NCCL refuses"
+    if why is None:
+        try:
+            load_nccl()
+        except CudaToolchainMissing as error:
+            why = error.message
+    return CollectivesPlan("MPI", why) if why is not None else CollectivesPlan("NCCL")
 
 
 class NcclCollectives(DeviceCollectives):

@@ -54,10 +54,22 @@ def requested_driver(device: str) -> str:
     return driver
 
 
+def requested_device_ids() -> tuple[str, list[str]]:
+    """`SEXPGPU_DEVICES` as set (default 0) and the ids it names."""
+    text = (os.environ.get("SEXPGPU_DEVICES") or "0").strip()
+    return text, [part.strip() for part in text.split(",") if part.strip()]
+
+
+def rank_device_ids(ranks: int) -> list[str]:
+    """The device id each of `ranks` ranks on one machine opens: the id of `SEXPGPU_DEVICES` at its local
+    rank, or the one id it names (default 0) for every rank."""
+    ids = requested_device_ids()[1]
+    return ids if len(ids) > 1 else ids * ranks
+
+
 def requested_device_index(device: str) -> int:
     """The device id `SEXPGPU_DEVICES` names (default 0); `DeviceUnavailable` for several or a bad one."""
-    text = (os.environ.get("SEXPGPU_DEVICES") or "0").strip()
-    ids = [part.strip() for part in text.split(",") if part.strip()]
+    text, ids = requested_device_ids()
     if len(ids) > 1:
         if launcher_world() is None:
             raise DeviceUnavailable(device, f"SEXPGPU_DEVICES={text} asks for {len(ids)} ranks, a process each: "

@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 from attrs import define, field, frozen
 
-from ...diagnostics import Location
 from ...dialects.core import Block, Operation, Value
 from ...dialects.graph_semantics import numpy_binary, numpy_unary
 from ...dialects.traits import Trait, has_trait
@@ -50,7 +49,7 @@ from ..targets import KernelTarget
 from .domain import is_float, is_float_cast, splat_value
 from .evaluate import GUARD_OPS
 from .families import TOLERANCE, Match, holds, softmax
-from .plans import doomed_ops, storage
+from .plans import Decision, doomed_ops, first_loc, most_common_path, storage
 
 #: Above this many elements per evaluated tensor, the evaluation keeps one head (all ops are per head).
 FULL_EVALUATION_LIMIT = 1 << 20
@@ -848,17 +847,8 @@ def find_attention(matches: Sequence[Match], order: dict[Operation, int],
 
 
 @define(eq=False)
-class AttentionPlan:
-    """An attention match and its kernel: taken (`reason` None) or fallen back."""
-
-    match: AttentionMatch
-    path: str
-    loc: Location | None
-    reason: str | None = None
-
-    @property
-    def taken(self) -> bool:
-        return self.reason is None
+class AttentionPlan(Decision[AttentionMatch]):
+    """An attention match and its kernel."""
 
 
 def plan_attention(block: Block, found: Sequence[AttentionMatch], others: set[Operation],
@@ -867,7 +857,7 @@ def plan_attention(block: Block, found: Sequence[AttentionMatch], others: set[Op
     a head dimension and dtypes the target's kernel takes, no value inside the region (the probabilities) read
     by what stays (an observation, a backward that is not attention's), a backward's forward taken. `others`
     are the ops other kernels replace."""
-    plans = [AttentionPlan(m, _path(m), next((op.loc for op in m.slice if op.loc is not None), None)) for m in found]
+    plans = [AttentionPlan(m, most_common_path(m.slice), first_loc(m.slice)) for m in found]
     by_match = {plan.match: plan for plan in plans}
     backward_of = {plan.match.forward: plan for plan in plans if plan.match.forward is not None}
     for plan in plans:
@@ -891,14 +881,6 @@ def plan_attention(block: Block, found: Sequence[AttentionMatch], others: set[Op
                 changed = True
         if not changed:
             return plans
-
-
-def _path(match: AttentionMatch) -> str:
-    paths: dict[str, int] = {}
-    for op in match.slice:
-        if "path" in op.attributes:
-            paths[op.attributes["path"]] = paths.get(op.attributes["path"], 0) + 1
-    return max(paths, key=paths.__getitem__) if paths else ""
 
 
 def _static_reason(match: AttentionMatch, target: KernelTarget) -> str | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from attrs import define, field
 
@@ -144,23 +144,34 @@ def _readers_outside(match: Match, claimed: set[Operation], order: dict[Operatio
 
 # --- decisions ----------------------------------------------------------------------------------------------
 
-@define(eq=False)
-class Plan:
-    """A match and its kernel: taken (`reason` None) or fallen back."""
+#: The match a decision is about: a row family's (`Match`) or attention's (`attention.AttentionMatch`).
+MatchT = TypeVar("MatchT")
 
-    match: Match
+
+@define(eq=False)
+class Decision(Generic[MatchT]):
+    """A match and its kernel: taken (`reason` None) or fallen back, with the model path and the location
+    its report lines name."""
+
+    match: MatchT
     path: str
     loc: Location | None
     reason: str | None = None
+
+    @property
+    def taken(self) -> bool:
+        return self.reason is None
+
+
+@define(eq=False)
+class Plan(Decision[Match]):
+    """A row family's or the cross-entropy tail's match and its kernel."""
+
     #: The kernel's template options (eps, weight, stats, reduction, ...), once decided.
     options: dict[str, Any] = field(factory=dict)
     #: Values inside the slice that others read and are recomputed for them (a row reduction of an input that
     #: common-subexpression elimination shared with another computation, such as an accuracy's row maximum).
     recomputed: list[Value] = field(factory=list)
-
-    @property
-    def taken(self) -> bool:
-        return self.reason is None
 
     @property
     def family(self) -> str:
@@ -179,7 +190,7 @@ class Plan:
 
 def plan_matches(block: Block, matches: list[Match], target: KernelTarget) -> list[Plan]:
     """A plan per match for `target`, taken or fallen back with its reason (see the module docstring)."""
-    plans = [Plan(m, region_path(m), _loc(m)) for m in matches]
+    plans = [Plan(m, region_path(m), first_loc(m.slice)) for m in matches]
     by_match = {plan.match: plan for plan in plans}
     for plan in plans:
         plan.reason = _static_reason(plan.match, target)
@@ -206,9 +217,9 @@ def plan_matches(block: Block, matches: list[Match], target: KernelTarget) -> li
 def region_path(match: Match) -> str:
     """The model path of the region: its ops' most common `path`, else its forward's, else that of its input or
     of what the input was computed from."""
-    paths = Counter(op.attributes["path"] for op in match.slice if "path" in op.attributes)
-    if paths:
-        return paths.most_common(1)[0][0]
+    path = most_common_path(match.slice)
+    if path:
+        return path
     if match.forward is not None:
         return region_path(match.forward)
     value = match.inputs.get("x")
@@ -221,8 +232,15 @@ def region_path(match: Match) -> str:
     return ""
 
 
-def _loc(match: Match) -> Location | None:
-    return next((op.loc for op in match.slice if op.loc is not None), None)
+def most_common_path(ops: Iterable[Operation]) -> str:
+    """The `path` most of `ops` carry (the first seen of equally common ones), "" when none has one."""
+    paths = Counter(op.attributes["path"] for op in ops if "path" in op.attributes)
+    return paths.most_common(1)[0][0] if paths else ""
+
+
+def first_loc(ops: Iterable[Operation]) -> Location | None:
+    """The first source location among `ops`, where a report line about them points."""
+    return next((op.loc for op in ops if op.loc is not None), None)
 
 
 def _static_reason(match: Match, target: KernelTarget) -> str | None:

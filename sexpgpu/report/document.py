@@ -290,10 +290,13 @@ def build_document(module: Operation, facts: UnitFacts, path: str | None,
     }
 
 
-def ranks_document(module: Operation, doc: dict[str, Any], ranks: int) -> dict[str, Any]:
+def ranks_document(module: Operation, doc: dict[str, Any], ranks: int, transport: str,
+                   host_staging: str | None) -> dict[str, Any]:
     """What `explain --ranks N` adds (`doc["ranks"]`): how a step splits over N data-parallel ranks, each
-    rank's memory bound with ZeRO-1's sharded optimizer states, and the collectives a step runs
-    (docs/distributed.md). The microbatches must divide by `ranks` (the caller checks)."""
+    rank's memory bound with ZeRO-1's sharded optimizer states, and the collectives a step runs, through
+    `transport` (the device's answer: `NCCL`, or `MPI` with why device arrays are staged through host
+    memory, `host_staging`) (docs/distributed.md). The microbatches must divide by `ranks` (the caller
+    checks)."""
     run = attribute_json(_one(module, "exp.run").attributes)
     step = doc["step"]
     zero = ranks > 1 and int(run.get("zero_stage", 1)) == 1
@@ -329,6 +332,8 @@ def ranks_document(module: Operation, doc: dict[str, Any], ranks: int) -> dict[s
                    "unsharded_state_bytes": sum(4 * g["state_elements"] for g in groups),
                    "activation_bytes": peak["bytes"] if peak else None},
         "gradients_gathered": clipped and sharded_elements > 0,
+        "transport": transport,
+        "host_staging": host_staging,
         "bytes_sent_per_step": 4 * gathered * (ranks - 1) // ranks,
         "stacking_degrees": stacking_degrees(step["microbatches"], ranks),
     }

@@ -278,7 +278,10 @@ def _render_ranks(doc: dict[str, Any]) -> list[str]:
                 f"each rank updating its shard, parameters all-gathered (ZeRO-1: {', '.join(sharded)})")
         if len(sharded) < len(r["groups"]):
             what += "; the other gradients reduce-scattered and all-gathered"
-    rows.append(["collectives", f"each step: {what}; {show_bytes(r['bytes_sent_per_step'])} sent per rank"])
+    road = {"NCCL": "through NCCL on the GPUs"}.get(r["transport"], f"through {r['transport']}")
+    if r["host_staging"] is not None:
+        road += f" by host staging ({r['host_staging']})"
+    rows.append(["collectives", f"each step {road}: {what}; {show_bytes(r['bytes_sent_per_step'])} sent per rank"])
     degrees = " or ".join(str(k) for k in r["stacking_degrees"])
     rows.append(["stacking", f"{degrees}: the divisors of each rank's {plural(r['microbatches_per_rank'], 'microbatch', 'microbatches')} "
                              "(a device chooses when the run opens it; the CPU runs 1)"])

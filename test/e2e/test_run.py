@@ -20,7 +20,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-from sexpgpu.backends.checkpoint import list_checkpoints, read_checkpoint
+from sexpgpu.backends.checkpoint import list_checkpoints, manifest_checksum, read_checkpoint
 from sexpgpu.backends.cuda.selection import runtime_unavailable
 from sexpgpu.backends.events import events_schema, read_events
 from sexpgpu.backends.training import train
@@ -235,6 +235,24 @@ def test_resume_refuses_another_experiment_naming_what_differs(baseline):
     with pytest.raises(SxError, match=r"different experiment: knob width = 32 there, 48 here"):
         train(str(EXAMPLE), variant="smoke", sets={"eval-every": 1000, "width": 48}, resume=baseline)
     assert (baseline / "events.jsonl").read_bytes() == before
+
+
+def test_resume_refuses_a_checkpoint_of_other_graphs_of_the_same_source_in_one_line(baseline, tmp_path):
+    """A checkpoint an earlier compiler wrote (same source, knobs and parameters, other graphs: a wave changed
+    the update graphs) is refused on the command line in one line, exit 1, no traceback; nothing changes."""
+    record = Path(shutil.copytree(baseline, tmp_path / "record"))
+    manifest_path = record / "checkpoints" / "step-20" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["fingerprint"] = "0" * 64
+    manifest["checksum"] = manifest_checksum(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    before = (record / "events.jsonl").read_bytes()
+    result = run_cli("run", str(EXAMPLE), *SMALL, "--resume", str(record), check=False)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: cannot resume from {record / 'checkpoints' / 'step-20'}: it was written by a different experiment: "
+        "the graphs differ"]
+    assert (record / "events.jsonl").read_bytes() == before
 
 
 def test_resume_refuses_a_damaged_checkpoint_and_changes_nothing(baseline, tmp_path):

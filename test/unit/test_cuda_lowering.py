@@ -155,6 +155,33 @@ def test_lit_graphs_run_on_cuda_sim_like_the_interpreter(name, chunk):
     assert kernels == set(runner.launched), kernels - set(runner.launched)
 
 
+def test_a_reader_kernel_with_no_plan_keeps_reading_the_stored_value(monkeypatch):
+    """When the kernel that would recompute a value has no plan with the copies, the value stays
+    stored (the copies are gone), the others are still recomputed, and every kernel computes what the
+    interpreter does."""
+    from sexpgpu.passes import fuse_recompute
+
+    planned = []
+
+    def first_refused(*args, **kwargs):
+        planned.append(args[0])
+        return None if len(planned) == 1 else fuse_recompute.plan_group.__wrapped__(*args, **kwargs)
+
+    first_refused.__wrapped__ = fuse_recompute.plan_group
+    monkeypatch.setattr(fuse_recompute, "plan_group", first_refused)
+    text = re.sub(r"^// .*$", "", (LIT / "fuse-recompute.sxir").read_text().split("// -----")[0], flags=re.M)
+    reference, lowered = copies(parse_module(text, "fuse-recompute.sxir"))
+    lower(lowered)
+    forward = next(op for op in lowered.body.ops if op.name == "kern.kernel" and op.attributes["inputs"] == [
+        op.attributes["outputs"][0]] and len(op.attributes["outputs"]) == 2)
+    # 1 + erf(h/√2) stored beside the activation; exp(-(h/√2)²) no longer computed there; h/2 still is (y's).
+    assert forward.attributes["nodes"] == 5
+    backward = next(op for op in lowered.body.ops if op.name == "kern.kernel" and len(op.attributes["inputs"]) == 3)
+    assert any(inner.name == "graph.exp" for inner in backward.regions[0].blocks[0].ops)
+    runner = run_on_sim(reference, lowered, 3)
+    assert runner.errors
+
+
 # -- plan-buffers: no two live buffers overlap -------------------------------------------------------
 
 

@@ -85,3 +85,25 @@ def test_fell_back_facts_carry_path_reason_and_location(tmp_path: Path) -> None:
         {"path": "model", "reason": "an observation (logp) reads a value inside the region", "loc": f"{path}:4"}]
     (backward,) = facts["cross_entropy_backward"]["fell_back"]
     assert backward["reason"] == "its forward fell back, and no value holds the lse its kernel reads"
+
+
+@pytest.mark.parametrize(("pipeline", "fuses"), [
+    ("gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers,emit-cuda", True),
+    ("match-patterns{attention=false},fuse", False),
+    ("canonicalize,fuse", False),
+])  # fmt: skip
+def test_a_lowering_fuses_attention_where_match_patterns_asks_its_target_for_it(pipeline: str, fuses: bool) -> None:
+    from sexpgpu.passes.match_patterns import fuses_attention
+
+    assert fuses_attention(pipeline) is fuses
+
+
+def test_explain_leaves_the_attention_tensors_unnamed_where_the_device_fuses_attention() -> None:
+    from sexpgpu.backends.cpu_c.executor import CpuCExecutor
+    from sexpgpu.backends.cuda.executor import CudaExecutor
+    from sexpgpu.backends.interpreter.executor import InterpreterExecutor
+    from sexpgpu.tools.explain_cmd import attention_unheld_wanted
+
+    assert not attention_unheld_wanted(CudaExecutor.lowering_pipeline)  # cuda and cuda-sim
+    assert attention_unheld_wanted(CpuCExecutor.lowering_pipeline)  # declines attention: its C has no kernel
+    assert attention_unheld_wanted(InterpreterExecutor.lowering_pipeline)

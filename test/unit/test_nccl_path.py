@@ -147,6 +147,32 @@ def test_host_staging_where_nccl_cannot_serve(fake, nccl, executor, monkeypatch,
     assert nccl.calls() == []
 
 
+def test_the_plan_explain_names_is_what_collectives_chooses(fake, nccl, executor, monkeypatch):
+    """`planned_collectives` says, before any rank starts, the road `collectives` takes for ranks started on
+    this machine (each opening its id of SEXPGPU_DEVICES), with why where it is host staging."""
+    from sexpgpu.backends.distributed import CollectivesPlan
+
+    monkeypatch.setenv("SEXPGPU_DEVICES", "0,1")
+    assert executor.planned_collectives(2) == CollectivesPlan("NCCL")
+    monkeypatch.setenv("SEXPGPU_DEVICES", "0,1,1")
+    assert executor.planned_collectives(3) == CollectivesPlan("MPI", "ranks share GPU 1, which NCCL refuses")
+    monkeypatch.delenv("SEXPGPU_DEVICES")  # --ranks N alone: every rank opens device 0
+    assert executor.planned_collectives(2) == CollectivesPlan("MPI", "ranks share GPU 0, which NCCL refuses")
+    monkeypatch.setenv("SEXPGPU_DEVICES", "0,1")
+    monkeypatch.setenv("SEXPGPU_NCCL", "off")
+    assert executor.planned_collectives(2) == CollectivesPlan("MPI", "SEXPGPU_NCCL=off")
+    monkeypatch.delenv("SEXPGPU_NCCL")
+
+    def missing():
+        raise CudaToolchainMissing("the NCCL library (libnccl.so.2, wheel nvidia-nccl-cu13) is not installed",
+                                   "training on several GPU ranks")
+
+    monkeypatch.setattr(nccl_layer, "load_nccl", missing)
+    plan = executor.planned_collectives(2)
+    assert plan.transport == "MPI" and plan.host_staging.startswith("the NCCL library (libnccl.so.2")
+    assert nccl_layer.planned_collectives("cuda-sim", 2) == CollectivesPlan("MPI", "cuda-sim has no NCCL")
+
+
 @pytest.mark.parametrize("zero_stage", [1, 0])
 def test_training_steps_reduce_through_nccl_after_the_last_backward_and_before_the_update(
         fake, nccl, monkeypatch, tmp_path, zero_stage):

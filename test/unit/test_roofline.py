@@ -16,6 +16,7 @@ from sexpgpu.passes.roofline import (
     GPUS,
     MODELLED_KINDS,
     estimate,
+    gpu_named,
     launch_costs,
     launch_time,
     stacking_on,
@@ -74,11 +75,15 @@ def test_a_gather_reads_the_rows_its_indices_name(train_costs) -> None:
 
 def test_a_fused_pointwise_kernel_counts_each_body_op_per_element(train_costs) -> None:
     gelu = first(train_costs, "pointwise_mul_erf_add", "model.blocks.0.mlp")
-    # GELU's forward reads the fc output [64, 128] once and writes four [4, 16, 128] tensors the backward
-    # reads; its body: x·(1/√2), erf, +1, x·½, the product, and x², −, exp for the derivative: 8 ops.
+    # GELU's forward reads the fc output [64, 128] once and writes the activation [4, 16, 128] only (the
+    # backward recomputes the rest); its body: x·(1/√2), erf, +1, x·½, the product: 5 ops.
     elements = B * T * HIDDEN
-    assert gelu["bytes"] == F32 * (elements + 4 * elements)
-    assert gelu["flops"] == 8 * elements
+    assert gelu["bytes"] == F32 * (elements + elements)
+    assert gelu["flops"] == 5 * elements
+    # Its backward reads the pre-activation and the activation's gradient, writes the pre-activation's
+    # gradient and the fc bias's [128]: nothing the forward saved besides the fc output.
+    backward = first(train_costs, "reduction_mul_erf_add", "model.blocks.0.mlp")
+    assert backward["bytes"] == F32 * (3 * elements + HIDDEN)
 
 
 def test_a_fused_attention_moves_its_operands_once_and_computes_up_to_the_diagonal(train_costs) -> None:
@@ -184,3 +189,14 @@ def test_a_gpu_the_table_lacks_is_one_line_and_exit_1() -> None:
     assert result.returncode == 1
     assert result.stderr == "error: --gpu must be one of h200, h100, a100, not b200\n"
     assert result.stdout == ""
+
+
+def test_a_device_is_found_in_the_table_by_its_cuda_name() -> None:
+    """The benchmarks read the table too: a device's CUDA name finds its SXM board, another board none."""
+    assert gpu_named("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert gpu_named("NVIDIA H200") is GPUS["h200"]
+    assert gpu_named("NVIDIA A100-SXM4-80GB") is GPUS["a100"]
+    assert gpu_named("NVIDIA H100 PCIe") is None
+    assert gpu_named("NVIDIA A100-PCIE-40GB") is None
+    assert gpu_named("NVIDIA GeForce RTX 4090") is None
+    assert gpu_named(None) is None

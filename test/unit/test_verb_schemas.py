@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -40,3 +41,21 @@ def test_a_document_missing_a_required_key_fails_the_schema():
     with pytest.raises(jsonschema.ValidationError, match="'ok' is a required property"):
         jsonschema.validate({"file": "x.sx", "parameters": 1, "elements": 1, "graphs": 1, "steps": 1,
                              "warnings": []}, schema("check"))
+
+
+def embedded_schemas() -> dict[str, tuple[Path, str]]:
+    """Every schema copy a documentation page embeds (a ```json block with a `$id`), by the file it names."""
+    copies = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"```json\n(.*?)```", page.read_text(), re.S):
+            if '"$id"' in block:
+                copies[json.loads(block)["$id"].rsplit("/", 1)[1]] = (page, block)
+    return copies
+
+
+def test_the_schemas_the_docs_embed_are_the_shipped_files_verbatim():
+    copies = embedded_schemas()
+    assert {"explain.schema.json", "diff.schema.json", "ir.schema.json"} <= copies.keys()
+    for name, (page, block) in copies.items():
+        shipped = resources.files("sexpgpu").joinpath(f"schemas/{name}").read_text()
+        assert block == shipped, f"{page.relative_to(ROOT)} embeds a stale copy of sexpgpu/schemas/{name}"

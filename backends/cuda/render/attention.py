@@ -703,6 +703,38 @@ def _backward_inputs(dtype: str) -> tuple[KernelParam, ...]:
     return (*data, *stats)
 
 
+def _row_probabilities(rows: tuple[str, str], columns: tuple[str, str], *, query: str, key: str, lse: str,
+                       delta: str, causal: bool, scale: float, kept: str | None = None) -> str:
+    """C for the backward's inner step of the FMA kernels: this thread's row of the block's own tiles `rows`
+    (scores side, dP side) against STEP rows of the iteration's tiles `columns`, S = rows[0] . columns[0] and
+    dP = rows[1] . columns[1], then P = exp(scale * S - lse) and dS = P * (dP - delta) where the (query, key)
+    pair is visible, written to `ds_tile[row][col]` (and P to `kept[row][col]`). `dkdv` owns key rows
+    against query tiles, `dq` query rows against key tiles: `query`, `key`, `lse` and `delta` are C of the
+    column `col` (the other operand's row) or of the thread's `row`."""
+    own_s, own_dp = rows
+    other_s, other_dp = columns
+    keep = f"        {kept}[row][col] = p;\n" if kept is not None else ""
+    return (
+        "    float s[STEP / LANES] = {}, dp[STEP / LANES] = {};\n"
+        "    for (int d = 0; d < D; ++d) {\n"
+        f"        const float sd = {own_s}[row][d], dpd = {own_dp}[row][d];\n"
+        "        #pragma unroll\n"
+        "        for (int j = 0; j < STEP / LANES; ++j) {\n"
+        f"            s[j] += sd * {other_s}[part + LANES * j][d];\n"
+        f"            dp[j] += dpd * {other_dp}[part + LANES * j][d];\n"
+        "        }\n"
+        "    }\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < STEP / LANES; ++j) {\n"
+        "        const int col = part + LANES * j;\n"
+        f"        const bool visible = {_visible(query, key, causal)};\n"
+        f"        const float p = visible ? expf(s[j] * {float_literal(scale)} - {lse}) : 0.0f;\n"
+        + keep +
+        f"        ds_tile[row][col] = visible ? p * (dp[j] - {delta}) : 0.0f;\n"
+        "    }\n"
+        "    __syncwarp();  // the row's dS (and P) are in shared memory (its lanes are one warp's)\n")
+
+
 def _dkdv_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layout: AttentionLayout) -> KernelSource:
     """A block per key block: dV = sum over query blocks of P^T dO, dK = scale * sum of dS^T Q."""
     tiles = _tiles(head_dim, "backward")
@@ -724,24 +756,9 @@ def _dkdv_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layout: 
         + _load_tile("do_tile", tiles.step, DO_PARAMETER, layout.do, "q0", vec)
         + _load_stat("lse_tile", tiles.step, "lse", "q0") + _load_stat("delta_tile", tiles.step, "delta", "q0") +
         "    __syncthreads();\n"
-        "    float s[STEP / LANES] = {}, dp[STEP / LANES] = {};\n"
-        "    for (int d = 0; d < D; ++d) {\n"
-        "        const float kd = k_tile[row][d], vd = v_tile[row][d];\n"
-        "        #pragma unroll\n"
-        "        for (int j = 0; j < STEP / LANES; ++j) {\n"
-        "            s[j] += kd * q_tile[part + LANES * j][d];\n"
-        "            dp[j] += vd * do_tile[part + LANES * j][d];\n"
-        "        }\n"
-        "    }\n"
-        "    #pragma unroll\n"
-        "    for (int j = 0; j < STEP / LANES; ++j) {\n"
-        "        const int r = part + LANES * j;\n"
-        f"        const bool visible = {_visible('q0 + r', 'k0 + row', causal)};\n"
-        f"        const float p = visible ? expf(s[j] * {float_literal(scale)} - lse_tile[r]) : 0.0f;\n"
-        "        p_tile[row][r] = p;\n"
-        "        ds_tile[row][r] = visible ? p * (dp[j] - delta_tile[r]) : 0.0f;\n"
-        "    }\n"
-        "    __syncwarp();  // the key row's p and ds are in shared memory (its lanes are one warp's)\n"
+        + _row_probabilities(("k_tile", "v_tile"), ("q_tile", "do_tile"), query="q0 + col", key="k0 + row",
+                             lse="lse_tile[col]", delta="delta_tile[col]", causal=causal, scale=scale,
+                             kept="p_tile") +
         "    for (int r = 0; r < STEP; ++r) {\n"
         "        const float p = p_tile[row][r], ds = ds_tile[row][r];\n"
         "        #pragma unroll\n"
@@ -774,24 +791,9 @@ def _dq_kernel(head_dim: int, causal: bool, scale: float, dtype: str, layout: At
         "    const float row_lse = q0 + row < seq ? lse[stats + q0 + row] : 0.0f;\n"
         "    const float row_delta = q0 + row < seq ? delta[stats + q0 + row] : 0.0f;\n"
         "    float dq_sum[D / LANES] = {};\n"
-        + _key_steps(end, "k_tile", "v_tile", tiles.step, layout, vec) +
-        "    float s[STEP / LANES] = {}, dp[STEP / LANES] = {};\n"
-        "    for (int d = 0; d < D; ++d) {\n"
-        "        const float qd = q_tile[row][d], dod = do_tile[row][d];\n"
-        "        #pragma unroll\n"
-        "        for (int j = 0; j < STEP / LANES; ++j) {\n"
-        "            s[j] += qd * k_tile[part + LANES * j][d];\n"
-        "            dp[j] += dod * v_tile[part + LANES * j][d];\n"
-        "        }\n"
-        "    }\n"
-        "    #pragma unroll\n"
-        "    for (int j = 0; j < STEP / LANES; ++j) {\n"
-        "        const int c = part + LANES * j;\n"
-        f"        const bool visible = {_visible('q0 + row', 'k0 + c', causal)};\n"
-        f"        ds_tile[row][c] = visible ? expf(s[j] * {float_literal(scale)} - row_lse) * (dp[j] - row_delta)"
-        " : 0.0f;\n"
-        "    }\n"
-        "    __syncwarp();  // the row's ds is in shared memory (its lanes are one warp's)\n"
+        + _key_steps(end, "k_tile", "v_tile", tiles.step, layout, vec)
+        + _row_probabilities(("q_tile", "do_tile"), ("k_tile", "v_tile"), query="q0 + row", key="k0 + col",
+                             lse="row_lse", delta="row_delta", causal=causal, scale=scale) +
         "    for (int c = 0; c < STEP; ++c) {\n"
         "        const float ds = ds_tile[row][c];\n"
         "        #pragma unroll\n"
