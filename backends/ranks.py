@@ -211,6 +211,11 @@ class ShardedGroup:
         self.grad = ex.view(setup.flat_grads, self.shard[0], (shard_numel,))
         self.group_params = ex.view(setup.flat_params, self.start, (self.stop - self.start,))
         self.group_grads = ex.view(setup.flat_grads, self.start, (self.stop - self.start,))
+        #: The shard's and the group's bf16 working copies, where the update writes them (`working-copies`).
+        self.copies: tuple[DeviceArray, DeviceArray] | None = None
+        if "bf16" in self.update.output_names:
+            self.copies = (ex.view(setup.flat_copies, self.shard[0], (shard_numel,)),
+                           ex.view(setup.flat_copies, self.start, (self.stop - self.start,)))
 
 
 class ShardedUpdates:
@@ -253,9 +258,14 @@ class ShardedUpdates:
         """Each rank updates its shards; then every rank gets every shard of the parameters."""
         for group in self.groups:
             arrays = {"param": group.param, "grad": group.grad, **group.states}
-            group.update({**arrays, "step": step_input}, {"param": group.param, **group.states})
+            written = {"param": group.param, **group.states}
+            if group.copies is not None:
+                written["bf16"] = group.copies[0]
+            group.update({**arrays, "step": step_input}, written)
         for group in self.groups:
             self.collectives.all_gather(group.param, group.group_params)
+            if group.copies is not None:
+                self.collectives.all_gather(*group.copies)
 
     def gathered_states(self) -> dict[str, np.ndarray] | None:
         """Every state of the sharded groups, whole, on rank 0 (None on the others): a checkpoint's."""

@@ -3,8 +3,9 @@
 It runs on an executor (backends/executor.py), the `cpu` one (the numpy
 interpreter) unless told otherwise, and knows nothing else of the device:
 every graph it runs is made by the compiler, the experiment's and those the
-run pipeline derives for it (`passes.pipelines.run_graphs`: flat group
-updates and clipping, the stacking variants), and is
+run pipeline derives for it (`passes.pipelines.run_graphs`: the bf16
+working copies' maker, flat group updates and clipping, the stacking
+variants), and is
 compiled by the executor; arrays move only through the executor's array
 operations.
 
@@ -70,6 +71,7 @@ from ..passes.flat_updates import flat_layout, flat_update_graphs
 from ..passes.manager import CompilationUnit, run_pipeline
 from ..passes.pipelines import TRAINING_PIPELINE, run_graphs
 from ..passes.variants import stack_variants
+from ..passes.working_copies import MAKER, PREFIX, ROLE, UPDATE_OUTPUT
 from ..version import __version__
 from . import ranks
 from .checkpoint import (
@@ -134,8 +136,9 @@ class TrainingPlan:
     graphs (`passes.pipelines.run_graphs`), read once (the run's settings, parameters, loaders,
     evaluations, diagnostics and graphs)."""
 
-    def __init__(self, module: Operation, path: str) -> None:
+    def __init__(self, module: Operation, path: str, fingerprint: str | None = None) -> None:
         self.path = path
+        self._fingerprint = fingerprint
         ops = list(module.body.ops)
         self.module = module
         self.run_op = self._one(ops, "exp.run")
@@ -163,9 +166,10 @@ class TrainingPlan:
                 sets: dict[str, Any] | list[str] | None = None, stacking: bool = False) -> TrainingPlan:
         """The plan of the experiment file at `path` under a selection (the run pipeline's module; with
         `stacking`, for an executor that stacks microbatches, the stacking variants too)."""
-        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)),
-                            f"{TRAINING_PIPELINE},{run_graphs(stacking)}")
-        return cls(unit.module, path)
+        unit = run_pipeline(CompilationUnit(path=path, variant=variant, sets=set_flags(sets)), TRAINING_PIPELINE)
+        # The experiment's fingerprint, before the run's graphs rewrite it (`working-copies`) for the driver.
+        fingerprint = experiment_fingerprint(unit.module)
+        return cls(run_pipeline(unit, run_graphs(stacking)).module, path, fingerprint)
 
     @staticmethod
     def _one(ops: list[Any], name: str) -> Any:
@@ -190,19 +194,9 @@ class TrainingPlan:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """SHA-256 of the experiment's IR without locations, the selection line or the derived graphs.
-
-        Equal iff the same computation: a comment, a moved file or a knob set
-        to its default value changes nothing that runs. The graphs the run
-        pipeline derives follow from the others (and the stacking variants
-        from the device), so a checkpoint resumes on any device.
-        """
-        from ..dialects.printer import print_op
-
-        text = "\n".join(print_op(op) for op in self.module.body.ops
-                         if not (op.name == "graph.func" and is_derived(op)))
-        lines = [line for line in text.splitlines() if not line.startswith("exp.selection ")]
-        return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
+        """The experiment's fingerprint (`experiment_fingerprint`): of the training pipeline's module where
+        the plan was compiled from it, else of the plan's module."""
+        return self._fingerprint if self._fingerprint is not None else experiment_fingerprint(self.module)
 
     @functools.cached_property
     def source_hashes(self) -> dict[str, str]:
@@ -278,6 +272,8 @@ class DeviceSetup:
         self.flat_groups: list[tuple[Executable, list[str]]] = [
             (compile_func(func), [str(member["path"]) for member in func.attributes["members"]])
             for func in flat_funcs]
+        #: Makes the weights' bf16 working copies from the parameters (`working-copies`; None: no copies).
+        self.copy_maker = compile_func(plan.graphs[MAKER]) if MAKER in plan.graphs else None
 
     def _allocate(self) -> None:
         """The parameters (at their initial values), their gradients and states, on the executor.
@@ -306,6 +302,7 @@ class DeviceSetup:
                 self.flat_grad_views[f"grad/{path}"] = ex.view(self.flat_grads, start, shapes[path])
             else:
                 self.params[path] = ex.upload(value)
+        self._allocate_working_copies(end, shapes)
         #: The arrays every train graph writes its gradients into (views of the flat array, or one each).
         self.grad_out: dict[str, DeviceArray] = dict(self.flat_grad_views)
         for path in shapes:
@@ -325,7 +322,10 @@ class DeviceSetup:
             flat_states.update(dict.fromkeys(paths, (states, start)))
             param = ex.view(self.flat_params, start, (stop - start,))
             grad = ex.view(self.flat_grads, start, (stop - start,))
-            self.flat_updates.append((graph, {"param": param, "grad": grad, **states}, {"param": param, **states}))
+            written = {"param": param, **states}
+            if UPDATE_OUTPUT in graph.output_names:
+                written[UPDATE_OUTPUT] = ex.view(self.flat_copies, start, (stop - start,))
+            self.flat_updates.append((graph, {"param": param, "grad": grad, **states}, written))
         self.states: dict[str, DeviceArray] = {}
         for path, (_, state_shapes) in self.updates.items():
             for state, shape in state_shapes.items():
@@ -334,6 +334,28 @@ class DeviceSetup:
                     self.states[f"{path}/{state}"] = ex.view(arrays[state], self.flat_bounds[path][0] - start, shape)
                 else:
                     self.states[f"{path}/{state}"] = ex.zeros(shape, "f32")
+
+    def _allocate_working_copies(self, flat_size: int, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The bf16 working copy of each parameter the copy maker makes: views of one bf16 array laid out
+        as the flat parameters for the flat groups' members, an array each else; made from the parameters."""
+        ex = self.executor
+        #: param path → its bf16 working copy, written by its update and read by the model graphs.
+        self.copies: dict[str, DeviceArray] = {}
+        #: The flat groups' copies, laid out as `flat_params`.
+        self.flat_copies = ex.zeros((flat_size,), "bf16") if self.copy_maker is not None else None
+        for name in self.copy_maker.output_names if self.copy_maker is not None else []:
+            path = name.removeprefix(PREFIX)
+            bounds = self.flat_bounds.get(path)
+            self.copies[path] = (ex.view(self.flat_copies, bounds[0], shapes[path]) if bounds
+                                 else ex.zeros(shapes[path], "bf16"))
+        self.make_working_copies()
+
+    def make_working_copies(self) -> None:
+        """Each working copy made anew from its parameter (at the start and when the parameters are loaded:
+        the copies are derived state, not in checkpoints)."""
+        if self.copy_maker is not None:
+            self.copy_maker({path: self.params[path] for path in self.copies},
+                            {PREFIX + path: copy for path, copy in self.copies.items()})
 
     def _compile_gradient_graphs(self) -> None:
         """The clip graphs (a clip's flat twin over its span of the flat gradient array where
@@ -424,6 +446,7 @@ class Trainer(DeviceSetup):
         ex = self.executor
         for path, value in self.params.items():
             ex.copy(ex.upload(checkpoint.params[path]), value)
+        self.make_working_copies()
         for name, value in self.states.items():
             ex.copy(ex.upload(checkpoint.states[name]), value)
         if self.sharded is not None:
@@ -470,6 +493,8 @@ class Trainer(DeviceSetup):
         for spec in graph.inputs:
             if spec.role == "param":
                 inputs[spec.name] = self.params[spec.name]
+            elif spec.role == ROLE:
+                inputs[spec.name] = self.copies[spec.name.removeprefix(PREFIX)]
             elif spec.role == "batch":
                 key = (spec.name, tuple(spec.type.shape), spec.type.dtype)
                 if key not in self.batch_arrays:
@@ -538,8 +563,11 @@ class Trainer(DeviceSetup):
             assert update is not None
             inputs = {"param": self.params[path], "grad": self.grad_out[f"grad/{path}"], "step": self.step_input}
             inputs.update({state: self.states[f"{path}/{state}"] for state in states})
-            # In place: the parameter and state buffers live for the whole run.
-            update(inputs, {name: inputs[name] for name in ("param", *states)})
+            written = {name: inputs[name] for name in ("param", *states)}
+            if path in self.copies:
+                written[UPDATE_OUTPUT] = self.copies[path]
+            # In place: the parameter, state and copy buffers live for the whole run.
+            update(inputs, written)
         # The step's values, read once every call is made (a device runs them meanwhile).
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
@@ -743,6 +771,24 @@ class Trainer(DeviceSetup):
         lines.append(("record", f"{display_path(str(self.out_dir))}/events.jsonl"))
         lines.append(("plot", f"sexpgpu plot {display_path(str(self.out_dir))}"))
         return lines
+
+
+def experiment_fingerprint(module: Operation) -> str:
+    """SHA-256 of the experiment's IR after the training pipeline, without locations, the selection line or
+    derived graphs.
+
+    Equal iff the same computation: a comment, a moved file or a knob set
+    to its default value changes nothing that runs. The graphs the run
+    pipeline derives or rewrites for the driver follow from these (the
+    stacking variants from the device, the working copies' reads and writes
+    from the precision), so a checkpoint resumes on any device and `sample`
+    (which compiles no run graphs) recognises it.
+    """
+    from ..dialects.printer import print_op
+
+    text = "\n".join(print_op(op) for op in module.body.ops if not (op.name == "graph.func" and is_derived(op)))
+    lines = [line for line in text.splitlines() if not line.startswith("exp.selection ")]
+    return hashlib.sha256(_LOCATION.sub("", "\n".join(lines)).encode()).hexdigest()
 
 
 def unigram_entropy(loader: Loader, limit: int = 1 << 24) -> float | None:

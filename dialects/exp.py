@@ -46,8 +46,9 @@ from .core import OpDef, Operation, VerifyError, register_op
 MODEL_GRAPH_KINDS = ("train", "train_accumulating", "train_stacked", "train_diagnosed", "evaluation", "inference")
 #: The kinds of the graphs that update parameters from gradients once a step: their constants fold.
 OPTIMIZER_GRAPH_KINDS = ("clip", "update")
-#: Every kind of `graph.func`, in the order reports list graphs.
-GRAPH_KINDS = MODEL_GRAPH_KINDS + OPTIMIZER_GRAPH_KINDS
+#: Every kind of `graph.func`, in the order reports list graphs; `working_copies` makes the weights' bf16
+#: working copies from the parameters when the driver sets them (passes/working_copies.py).
+GRAPH_KINDS = MODEL_GRAPH_KINDS + OPTIMIZER_GRAPH_KINDS + ("working_copies",)
 #: The order reports list graphs in, by kind; a graph of no kind goes last.
 GRAPH_ORDER = {kind: i for i, kind in enumerate(GRAPH_KINDS)}
 #: How a `graph.func`'s kind reads in reports; evaluations and clip graphs read as their symbol.
@@ -56,6 +57,7 @@ KIND_TITLES = {
     "train_accumulating": "train accumulating",
     "train_stacked": "train stacked",
     "train_diagnosed": "train diagnosed",
+    "working_copies": "working copies",
 }
 
 #: Each optimizer (`exp.group` `optimizer`) and the hyperparameters a group leaves out take:

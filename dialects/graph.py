@@ -156,7 +156,7 @@ def graph_funcs(module: Operation) -> list[Operation]:
 
 # -- input, const ------------------------------------------------------------------------------
 
-INPUT_ROLES = ("param", "batch", "grad", "state", "step", "value")
+INPUT_ROLES = ("param", "batch", "grad", "state", "step", "value", "working_copy")
 
 
 @graph_op

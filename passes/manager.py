@@ -182,6 +182,7 @@ PASS_MODULES: dict[str, str] = {
     "stack": ".variants",
     "stack-variants": ".variants",
     "verify": ".verify",
+    "working-copies": ".working_copies",
 }  # fmt: skip
 
 

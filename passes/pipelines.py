@@ -10,9 +10,15 @@ CHECK_PIPELINE = "evaluate,autodiff,diagnose,accumulate,build-updates"
 #: dce); the cleanup before `plan-memory` is for what the passes since autodiff add.
 TRAINING_PIPELINE = f"{CHECK_PIPELINE},fold-constants,insert-casts,canonicalize,cse,dce,plan-memory"
 
-#: After the training pipeline, for a run: the graphs the training driver runs beside the experiment's
-#: (`derived`): each optimizer group's update and the clipping over flat arrays.
-RUN_GRAPHS = "flatten-updates"
+#: After the training pipeline: the bf16 working copies of the weights (docs/passes.md#working-copies), which a
+#: run's graphs read and its updates write; a report of the lowering without a device makes them as a run does.
+WORKING_COPIES = "working-copies"
+
+#: After the training pipeline, for a run: the bf16 working copies of the weights (their updates write them,
+#: the model graphs read them instead of casting), and the graphs the training driver runs beside the
+#: experiment's (`derived`): the copies made from the parameters, each optimizer group's update and the
+#: clipping over flat arrays.
+RUN_GRAPHS = f"{WORKING_COPIES},flatten-updates"
 
 #: After `RUN_GRAPHS`, for a device that stacks microbatches (`Executor.stacks_microbatches`): a stacked
 #: train graph for each degree it may choose among by memory.

@@ -18,7 +18,9 @@ Two arenas:
   (`none`): they live where the caller wants them (an output array, a
   gradient in the persistent arena).
 - **The persistent arena** (`persistent_bytes` on `exp.run`): parameters,
-  gradients and optimizer states, group after group; within a group each
+  gradients and optimizer states, group after group, and the bf16 working
+  copies of a group whose update writes them (`working-copies`: kind `bf16`,
+  laid out as the parameters at half their bytes); within a group each
   kind (param, grad, each state) is one span holding the members in the
   order of the group's flat update graph (`members`), so the group's
   multi-tensor update reads `[N]` spans. Each span and each member in it
@@ -40,11 +42,12 @@ from typing import Any, ClassVar
 from attrs import define
 
 from ..dialects.core import Operation, Value
-from ..dialects.graph import func_kind, graph_funcs
+from ..dialects.graph import func_kind, graph_funcs, return_names
 from ..dialects.index_maps import Expr
 from ..dialects.kern import find_kernel
 from ..dialects.liveness import ArenaPlan, StorageLiveness
 from .manager import CompilationUnit, Pass, register_pass
+from .working_copies import UPDATE_OUTPUT
 
 ALIGNMENT = 256
 #: Where each member of a persistent group's span starts: a multiple of this many bytes (the arena's
@@ -116,6 +119,8 @@ def plan_persistent(module: Operation) -> int:
     params = {op.attributes["path"]: op for op in module.body.ops if op.name == "exp.param"}
     orders = {f.attributes["group"]: [m["path"] for m in f.attributes["members"]]
               for f in graph_funcs(module) if func_kind(f) == "update" and "members" in f.attributes}
+    copied = {f.attributes.get("group") for f in graph_funcs(module)
+              if func_kind(f) == "update" and UPDATE_OUTPUT in return_names(f.body.last_op)}
     offset = 0
     for group in (op for op in module.body.ops if op.name == "exp.group"):
         members = orders.get(group.attributes["name"], list(group.attributes["members"]))
@@ -129,6 +134,13 @@ def plan_persistent(module: Operation) -> int:
             for path, start in zip(members, member_starts):
                 params[path].attributes.setdefault("arena", {})[kind] = offset + start
             offset += span
+        if group.attributes["name"] in copied:
+            # The weights' bf16 working copies (`working-copies`): laid out as the parameters, at half the bytes.
+            offset = -(-offset // ALIGNMENT) * ALIGNMENT
+            starts[UPDATE_OUTPUT] = offset
+            for path, start in zip(members, member_starts):
+                params[path].attributes["arena"][UPDATE_OUTPUT] = offset + start // 2
+            offset += span // 2
         group.attributes["arena"] = starts
     return -(-offset // ALIGNMENT) * ALIGNMENT
 

@@ -226,9 +226,6 @@ class CpuCExecutor(HostArrays, Executor):
     def zeros(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), numpy_dtype(dtype))
 
-    def write(self, target: np.ndarray, host: np.ndarray) -> None:
-        np.copyto(target, np.asarray(host), casting="unsafe")
-
     # -- the report --------------------------------------------------------------------------------------
 
     def lowering_facts(self) -> LoweringFacts | None:

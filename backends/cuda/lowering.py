@@ -42,7 +42,7 @@ from ...passes.lowering_report import (
     without_launches,
 )
 from ...passes.manager import CompilationUnit, run_pipeline
-from ...passes.pipelines import CUDA_LOWERING
+from ...passes.pipelines import CUDA_LOWERING, WORKING_COPIES
 from ...version import __version__
 from . import target  # noqa: F401  (registers the `cuda` target and emit-cuda, which CUDA_LOWERING runs)
 from .compiler import KernelCompiler
@@ -184,9 +184,11 @@ def lowering_report(unit: CompilationUnit, arch: str, stack: int | None = None, 
     """The lowering document of `unit` (after the training pipeline) lowered and compiled for `arch`, what
     no device told (`explain --target`; an opened device's is the executor's `lowering_document`).
 
-    The unit is lowered in place unless the lowering cache holds the document (see the module docstring);
-    `launches` keeps every launch of each row's first graph (`SEXPGPU_EXPLAIN=kernels`).
+    The unit is lowered in place unless the lowering cache holds the document (see the module docstring),
+    after `working-copies` as a run's graphs are; `launches` keeps every launch of each row's first graph
+    (`SEXPGPU_EXPLAIN=kernels`).
     """
+    run_pipeline(unit, WORKING_COPIES)
     toolchain = nvrtc_toolchain()
     key = _report_key(unit.module, arch, stack, executor, toolchain.identity)
     path = cache_root() / "lowering" / key[:2] / f"{key}.json"

@@ -33,6 +33,10 @@ class HostArrays:
     def view(self, flat: np.ndarray, offset: int, shape: Sequence[int]) -> np.ndarray:
         return flat[offset:offset + math.prod(shape)].reshape(tuple(shape))
 
+    def write(self, target: np.ndarray, host: np.ndarray) -> None:
+        # Converted to the target's dtype: the ranks' host staging writes gathered bf16 copies from float32.
+        np.copyto(target, np.asarray(host), casting="unsafe")
+
 
 class InterpreterExecutor(HostArrays, Executor):
     """Compiles graphs with `compile_graph`; uploads and downloads are host copies and views."""

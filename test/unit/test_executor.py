@@ -178,6 +178,9 @@ class BoxedExecutor(InterpreterExecutor):
     def view(self, flat: Boxed, offset: int, shape: Sequence[int]) -> Boxed:
         return Boxed(super().view(flat.inner, offset, shape))
 
+    def write(self, target: Boxed, host: np.ndarray) -> None:
+        super().write(target.inner, host)
+
 
 def test_boxed_arrays_refuse_numpy():
     boxed = Boxed(np.zeros(2, np.float32))
