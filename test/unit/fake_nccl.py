@@ -73,6 +73,28 @@ class ThreadRanks:
         """A rank failed: the others' waits end with `threading.BrokenBarrierError`."""
         self._barrier.abort()
 
+    def run(self, rank_body: Callable[[int], Any], seconds: float = 600.0) -> list[Any]:
+        """`rank_body(rank)` on a thread for each rank; their results in rank order, or the first failure
+        raised (after aborting the others, which would wait for the failed rank at their next collective)."""
+        results: dict[int, Any] = {}
+        failures: list[BaseException] = []
+
+        def rank(index: int) -> None:
+            try:
+                results[index] = rank_body(index)
+            except BaseException as failure:
+                failures.append(failure)
+                self.abort()
+
+        threads = [threading.Thread(target=rank, args=(index,)) for index in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=seconds)
+        if failures:
+            raise failures[0]
+        return [results[index] for index in range(self.size)]
+
 
 class FakeNccl:
     """libnccl.so.2 for rank `rank` of `size` over `driver`'s fake GPU: the other ranks threads of `network`,

@@ -270,33 +270,24 @@ def test_two_thread_ranks_train_through_nccl_making_the_same_collectives(monkeyp
     monkeypatch.delenv("SEXPGPU_NCCL", raising=False)
     network = fake_nccl.ThreadRanks(2)
     plans = [TrainingPlan.compile(str(EXAMPLES / "gpt.sx"), "smoke", {"steps": 2}) for _ in range(2)]
-    drivers, libraries, results, failures = {}, {}, {}, []
+    drivers, libraries = {}, {}
 
-    def rank(index: int) -> None:
-        try:
-            local.driver = drivers[index] = fake_cuda_driver.FakeDriver(
-                devices=2, kernel_alignment=lambda name: alignments.kernel_alignment(name))
-            local.cublas = local.driver.cublaslt = fake_cuda_driver.FakeCublasLt(local.driver)
-            local.descriptors = functools.cache(cublaslt.GemmDescriptors)
-            libraries[index] = fake_nccl.FakeNccl(local.driver, index, 2, network)
-            local.nccl = Nccl(libraries[index], "fake libnccl.so.2")
-            executor = CudaExecutor("cuda", runtime=driver_cuda.CudaRuntime(index))
-            trainer = Trainer(plans[index], tmp_path / "run", None, io.StringIO(), False, executor,
-                              world=fake_nccl.ThreadWorld(network, index))
-            assert isinstance(trainer.collectives, NcclCollectives)
-            results[index] = trainer.run()
-            executor.runtime.close()
-        except BaseException as failure:  # the other rank would wait for this one at its next collective
-            failures.append(failure)
-            network.abort()
+    def rank(index: int):
+        local.driver = drivers[index] = fake_cuda_driver.FakeDriver(
+            devices=2, kernel_alignment=lambda name: alignments.kernel_alignment(name))
+        local.cublas = local.driver.cublaslt = fake_cuda_driver.FakeCublasLt(local.driver)
+        local.descriptors = functools.cache(cublaslt.GemmDescriptors)
+        libraries[index] = fake_nccl.FakeNccl(local.driver, index, 2, network)
+        local.nccl = Nccl(libraries[index], "fake libnccl.so.2")
+        executor = CudaExecutor("cuda", runtime=driver_cuda.CudaRuntime(index))
+        trainer = Trainer(plans[index], tmp_path / "run", None, io.StringIO(), False, executor,
+                          world=fake_nccl.ThreadWorld(network, index))
+        assert isinstance(trainer.collectives, NcclCollectives)
+        result = trainer.run()
+        executor.runtime.close()
+        return result
 
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    if failures:
-        raise failures[0]
+    results = network.run(rank)
     assert [(results[i].status, results[i].step) for i in range(2)] == [("done", 2), ("done", 2)]
     made = []
     for index in range(2):

@@ -10,7 +10,6 @@ GPT bit-identically to one rank taking both microbatches.
 from __future__ import annotations
 
 import io
-import threading
 from pathlib import Path
 
 from fake_nccl import ThreadRanks, ThreadWorld
@@ -31,24 +30,13 @@ def test_two_ranks_gather_the_copies_their_shards_wrote_and_train_as_one(tmp_pat
     assert one.copies and one.run().status == "done"
     network = ThreadRanks(2)
     plans = [TrainingPlan.compile(TINY, "smoke", SETS) for _ in range(2)]
-    results, failures = {}, []
 
-    def rank(index: int) -> None:
-        try:
-            trainer = Trainer(plans[index], tmp_path / "two", None, io.StringIO(), False,
-                              world=ThreadWorld(network, index))
-            assert trainer.sharded is not None and all(group.copies is not None for group in trainer.sharded.groups)
-            results[index] = trainer.run()
-        except BaseException as failure:  # the other rank would wait for this one at its next collective
-            failures.append(failure)
-            network.abort()
+    def rank(index: int):
+        trainer = Trainer(plans[index], tmp_path / "two", None, io.StringIO(), False,
+                          world=ThreadWorld(network, index))
+        assert trainer.sharded is not None and all(group.copies is not None for group in trainer.sharded.groups)
+        return trainer.run()
 
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    if failures:
-        raise failures[0]
+    results = network.run(rank)
     assert [results[i].status for i in range(2)] == ["done", "done"]
     assert losses(tmp_path / "two") == losses(tmp_path / "one")
