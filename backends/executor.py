@@ -92,6 +92,22 @@ class Executable(Protocol):
         """
 
 
+class CompiledAhead:
+    """Executables a device compiled before `compile` asked for them (the graphs of the stacking degree
+    `stacking` chose, lowered together), by graph: `compile` returns them for those very graphs."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Operation, Executable]] = {}
+
+    def keep(self, func: Operation, executable: Executable) -> None:
+        self._by_id[id(func)] = (func, executable)
+
+    def get(self, func: Operation) -> Executable | None:
+        """What was compiled ahead for `func` (not for another graph since put at its address), or None."""
+        found = self._by_id.get(id(func))
+        return found[1] if found is not None and found[0] is func else None
+
+
 class Executor(ABC):
     """A device that compiles graphs and holds their arrays; see the module docstring."""
 

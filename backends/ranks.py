@@ -30,6 +30,7 @@ import numpy as np
 
 from ..diagnostics import Location, SxError
 from ..passes.flat_updates import flat_update_graph
+from ..passes.working_copies import UPDATE_OUTPUT
 from .distributed import Communicator, DeviceCollectives, HostStaging, shard_bounds
 from .executor import DeviceArray, Executable, Executor
 
@@ -213,7 +214,7 @@ class ShardedGroup:
         self.group_grads = ex.view(setup.flat_grads, self.start, (self.stop - self.start,))
         #: The shard's and the group's bf16 working copies, where the update writes them (`working-copies`).
         self.copies: tuple[DeviceArray, DeviceArray] | None = None
-        if "bf16" in self.update.output_names:
+        if UPDATE_OUTPUT in self.update.output_names:
             self.copies = (ex.view(setup.flat_copies, self.shard[0], (shard_numel,)),
                            ex.view(setup.flat_copies, self.start, (self.stop - self.start,)))
 
@@ -260,7 +261,7 @@ class ShardedUpdates:
             arrays = {"param": group.param, "grad": group.grad, **group.states}
             written = {"param": group.param, **group.states}
             if group.copies is not None:
-                written["bf16"] = group.copies[0]
+                written[UPDATE_OUTPUT] = group.copies[0]
             group.update({**arrays, "step": step_input}, written)
         for group in self.groups:
             self.collectives.all_gather(group.param, group.group_params)

@@ -36,6 +36,11 @@ class TorchMLP:
     def __init__(self, exp: Any, params: dict[str, Any]) -> None:
         import torch
 
+        sys.path.insert(0, str(ROOT / "test" / "e2e"))
+        from gpt_reference import schedule_lr
+
+        #: The learning rate of a schedule at a step (`passes/schedules.py`'s meaning, written independently).
+        self.schedule_lr = schedule_lr
         self.params = {path: torch.tensor(value, requires_grad=True) for path, value in params.items()}
         self.layers = self._prefixes()
         groups = [op.attributes for op in exp.module.body.ops if op.name == "exp.group"]
@@ -63,9 +68,6 @@ class TorchMLP:
         import torch
         import torch.nn.functional as F
 
-        sys.path.insert(0, str(ROOT / "test" / "e2e"))
-        from gpt_reference import schedule_lr
-
         x, label = torch.from_numpy(batch["x"]), torch.from_numpy(batch["label"]).long()
         self.optimizer.zero_grad(set_to_none=True)
         h = x
@@ -78,7 +80,7 @@ class TorchMLP:
             accuracy = (picked >= logits.max(-1, keepdim=True).values).float().mean()
         loss.backward()
         for schedule, group in zip(self.schedules, self.optimizer.param_groups):
-            group["lr"] = schedule_lr(schedule, step)
+            group["lr"] = self.schedule_lr(schedule, step)
         self.optimizer.step()
         return float(loss.detach()), float(accuracy)
 

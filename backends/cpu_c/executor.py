@@ -32,7 +32,7 @@ from ...dialects.graph import graph_funcs, input_name, input_role, is_derived, r
 from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_document
 from ...passes.manager import CompilationUnit, run_pipeline
 from ...passes.pipelines import CPU_C_LOWERING
-from ..executor import Executor
+from ..executor import CompiledAhead, Executable, Executor
 from ..interpreter.executor import HostArrays
 from .blas import numpy_blas
 from .compiler import CCompileError, compile_shared, host_compiler, host_cpu
@@ -105,17 +105,17 @@ class CpuCExecutor(HostArrays, Executor):
         self.lowerings: list[LoweredModule] = []
         self._arena = np.zeros(0, np.uint8)
         self._workspace = np.zeros(0, np.uint8)
-        #: id(graph) -> (the graph, its executable): the stacked graphs `stacking` lowered and chose.
-        self._ahead: dict[int, tuple[Operation, CpuCExecutable]] = {}
+        #: The stacked graphs `stacking` lowered and chose.
+        self._ahead = CompiledAhead()
         #: The stacking degree `stacking` chose (None before it was asked).
         self.stack: int | None = None
 
     # -- compiling -------------------------------------------------------------------------------------
 
-    def compile(self, func: Operation) -> CpuCExecutable | DeferredExecutable:
-        ahead = self._ahead.get(id(func))
-        if ahead is not None and ahead[0] is func:
-            return ahead[1]
+    def compile(self, func: Operation) -> Executable:
+        ahead = self._ahead.get(func)
+        if ahead is not None:
+            return ahead
         name = str(func.attributes["sym_name"])
         module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
@@ -144,7 +144,7 @@ class CpuCExecutor(HostArrays, Executor):
                 continue
             lowered = self._load(module, unit)
             for func in (stacked, *rest):
-                self._ahead[id(func)] = (func, self._executable(lowered, str(func.attributes["sym_name"])))
+                self._ahead.keep(func, self._executable(lowered, str(func.attributes["sym_name"])))
             self.stack = k
             return k
         self.stack = 1

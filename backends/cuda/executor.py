@@ -44,7 +44,7 @@ from ...passes.lowering_report import DeviceFacts, LoweringFacts, lowering_docum
 from ...passes.manager import CompilationUnit, UnitFacts
 from ...passes.pipelines import CUDA_LOWERING
 from ..distributed import CollectivesPlan, Communicator, DeviceCollectives
-from ..executor import DeviceArray, Executable, Executor
+from ..executor import CompiledAhead, DeviceArray, Executable, Executor
 from .executable import CudaExecutable
 from .graph_plan import GraphPlan, numpy_dtype
 from .lowering import compile_module, lower, module_source
@@ -104,8 +104,8 @@ class CudaExecutor(Executor):
         self.executables: list[CudaExecutable] = []
         #: The lowering of the experiment's module (the first module compiled from), for the report.
         self.experiment: LoweredModule | None = None
-        #: id(func) -> (func, its executable) for graphs compiled ahead (the stacking candidates).
-        self._ahead: dict[int, tuple[Operation, CudaExecutable]] = {}
+        #: The graphs compiled ahead (the stacking degree chosen).
+        self._ahead = CompiledAhead()
         #: The stacking degree the last `stacking` call chose, and what it chose among.
         self.stacked: tuple[int, list[int]] | None = None
         #: The lowering of the chosen `train_stacked` graphs (rows of the report).
@@ -114,9 +114,9 @@ class CudaExecutor(Executor):
     # -- compiling ---------------------------------------------------------------------------------
 
     def compile(self, func: Operation) -> Executable:
-        ahead = self._ahead.get(id(func))
-        if ahead is not None and ahead[0] is func:
-            return ahead[1]
+        ahead = self._ahead.get(func)
+        if ahead is not None:
+            return ahead
         name = str(func.attributes["sym_name"])
         module = enclosing_module(func)
         lowered = self._lowered(module) if module is not None and not is_derived(func) else None
@@ -236,9 +236,9 @@ class CudaExecutor(Executor):
             lowered = self._lower(module_holding([stacked, *rest]), f"train_stacked_{k}")
             executable = self._executable(stacked, lowered)
             if executable.arena_need <= budget:
-                self._ahead[id(stacked)] = (stacked, executable)
+                self._ahead.keep(stacked, executable)
                 for func in rest:
-                    self._ahead[id(func)] = (func, self._executable(func, lowered))
+                    self._ahead.keep(func, self._executable(func, lowered))
                 self.stacked_lowering = lowered
                 chosen = k
                 break
