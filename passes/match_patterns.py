@@ -524,10 +524,14 @@ class _AttentionLaunch:
         types = {role: value.type for role, value in sources.items()}
         types |= {"o": o_type, "lse": stat_type, "delta": stat_type}
         values = dict(sources)
+        merged_grads: dict[str, Operation] = {}
         if match.direction == "backward":
             for role in ("dq", "dk", "dv"):
-                placements[role] = attention_family.contiguous(match)
-                types[role] = heads_type
+                reader = attention_family.merged_user(*match.outputs[role], match)
+                if reader is not None:
+                    merged_grads[role] = reader
+                placements[role] = attention_family.contiguous(match, merged=reader is not None)
+                types[role] = TensorType(reader.result.type.shape, dtype) if reader is not None else heads_type
             values |= {name: owner.outputs[forward][name] for name in ("o", "lse")}
         kernel = PatternKernel("attention", match.direction, head_dim,
                                {"causal": match.causal, "scale": float(match.scale), "placements": placements})
@@ -550,23 +554,28 @@ class _AttentionLaunch:
             return
         for role in ("dq", "dk", "dv"):
             graph_value, transposed = match.outputs[role]
-            result = values[role]
+            result = self.scaled(values[role], attention_family.output_factor(match, role), anchor)
+            if role in merged_grads:
+                self.replace_output(result, graph_value, merged_grads[role], anchor)
+                continue
             if transposed:
                 result = self.op("graph.transpose", [result], {"perm": _swap_last(result.type.rank)},
                                  graph_value.type.with_dtype(dtype), anchor)
-            result = self.scaled(result, attention_family.output_factor(match, role), anchor)
             self.replace(graph_value, self.cast(result, graph_value.type.dtype, anchor))
 
-    def replace_output(self, result: Value, o: Value, merged: Operation | None, anchor: Operation) -> None:
-        """The graph's O (and its merged-heads transpose) replaced by the kernel's output."""
+    def replace_output(self, result: Value, value: Value, merged: Operation | None, anchor: Operation) -> None:
+        """The graph's `value` (O or a gradient) replaced by the kernel's output, which is in merged heads when
+        `merged`, the transpose of `value` into them, is given (then it replaces that transpose)."""
         if merged is None:
-            self.replace(o, self.cast(result, o.type.dtype, anchor))
+            self.replace(value, self.cast(result, value.type.dtype, anchor))
             return
         self.replace(merged.result, self.cast(result, merged.result.type.dtype, anchor))
-        if any(user is not merged for user in o.users()):
-            heads = self.op("graph.transpose", [result], {"perm": list(attention_family.MERGE_PERM)},
-                            o.type.with_dtype(result.type.dtype), anchor)
-            self.replace(o, self.cast(heads, o.type.dtype, anchor))
+        if any(user is not merged for user in value.users()):
+            perm = list(merged.attributes["perm"])
+            back = [perm.index(axis) for axis in range(len(perm))]
+            unmerged = self.op("graph.transpose", [result], {"perm": back}, value.type.with_dtype(result.type.dtype),
+                               anchor)
+            self.replace(value, self.cast(unmerged, value.type.dtype, anchor))
 
     def op(self, name: str, operands: list[Value], attributes: dict[str, Any], result: TensorType,
            anchor: Operation) -> Value:

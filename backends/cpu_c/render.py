@@ -70,14 +70,19 @@ void sx_set_threads(int n) {
    single-threaded; a large product is cut along the longer side of d into 2, 4 or 8 blocks of rows (or of
    columns) of a size fixed by the shape alone, which OpenMP threads take: each element is the same BLAS
    computation whatever the thread count. A power of two of blocks shares evenly among 2, 4 or 8 threads (a
-   weight gradient, 128 rows by 384 columns, is two blocks of columns); a block is at least
-   SX_GEMM_MIN_BLOCK rows or columns, as each repacks the other operand (128-row blocks of a 1024x128x512
-   product run about 8% slower than 256-row ones at one thread). */
+   weight gradient, 128 rows by 384 columns, is two blocks of columns). A block is at least
+   SX_GEMM_MIN_BLOCK rows or columns where the side allows, as each repacks the other operand (128-row blocks
+   of a 1024x128x512 product run about 8% slower than 256-row ones at one thread); a shorter side of at
+   least twice SX_GEMM_SMALL_BLOCK is still cut in two, as a microbatch's 256-row products would otherwise leave every
+   thread but one idle (measured on 2 cores: the spec GPT's smoke step 60 ms with them whole, 46 ms halved;
+   at one thread a halved 256-row product costs 0-10%). */
 #define SX_GEMM_PARALLEL (1LL << 21)
 #define SX_GEMM_MIN_BLOCK 192
+#define SX_GEMM_SMALL_BLOCK 128
 static long long sx_gemm_block(long long size) {
     long long count = 1;
     while (count < 8 && size / (2 * count) >= SX_GEMM_MIN_BLOCK) count *= 2;
+    if (count == 1 && size / 2 >= SX_GEMM_SMALL_BLOCK) count = 2;
     return ((size + count - 1) / count + 15) / 16 * 16;
 }
 static void sx_gemm(int ta, int tb, long long m, long long n, long long k, long long batch, float alpha,

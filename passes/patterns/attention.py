@@ -953,6 +953,8 @@ def _observation_reading(op: Operation, depth: int = 0) -> Operation | None:
 
 #: The permutation of a [B, H, T, d] value into merged heads [B, T, H, d] (what `merge-heads` reshapes).
 MERGE_PERM = (0, 2, 1, 3)
+#: The same from [B, H, d, T].
+TRANSPOSED_MERGE_PERM = (0, 3, 1, 2)
 
 
 def sizes(match: AttentionMatch) -> dict[str, int]:
@@ -983,10 +985,18 @@ def contiguous(match: AttentionMatch, merged: bool = False) -> list[str]:
 def merged_reader(match: AttentionMatch) -> Operation | None:
     """A transpose of the forward's O into merged heads (the `merge-heads` the output projection reads): the
     kernel writes O there, so no copy makes it."""
+    (o, transposed), = match.outputs.values()
+    return merged_user(o, transposed, match)
+
+
+def merged_user(value: Value, transposed: bool, match: AttentionMatch) -> Operation | None:
+    """A transpose of `value`, a kernel output in heads [B, H, T, d] (or [B, H, d, T] when `transposed`: K's
+    gradient of Q·Kᵀ) into merged heads [B, T, H, d], as the output projection reads O and the packed
+    projection's gradient the gradients of Q, K and V: the kernel writes the value there instead."""
     if len(match.batch) != 2:
         return None
-    (o, _), = match.outputs.values()
-    return next((u for u in o.users() if u.name == "graph.transpose" and tuple(u.attributes["perm"]) == MERGE_PERM),
+    perm = TRANSPOSED_MERGE_PERM if transposed else MERGE_PERM
+    return next((u for u in value.users() if u.name == "graph.transpose" and tuple(u.attributes["perm"]) == perm),
                 None)
 
 
