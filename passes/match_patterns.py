@@ -490,9 +490,9 @@ class _Launch:
 
 @define(eq=False)
 class _AttentionLaunch:
-    """Builds one attention plan's launches: Q, K, V (and dO) read where the graph holds them, O written in
-    merged heads when the output projection reads it so, the gradients in heads; the graph's values replaced by
-    views of the results."""
+    """Builds one attention plan's launches: Q, K, V (and dO) read where the graph holds them, O and the
+    gradients written in merged heads when the graph merges them (the output projection reads O so, the packed
+    projection's gradient dQ, dK and dV), else in heads; the graph's values replaced by views of the results."""
 
     owner: ReplaceRegions
     plan: AttentionPlan

@@ -6,8 +6,8 @@ The kernels `match-patterns` makes of an attention region (`passes/patterns/atte
 `dkdv` and `dq` — each recomputing the probabilities P = exp(scale·q·k − lse) from Q and K, so nothing of
 size seq × seq is kept between steps. Every operand is read or written where its `placements` entry says
 ([offset, batch stride, head stride, token stride] in elements of the buffer it is bound to; the head-dim
-stride is 1): Q, K and V are three column ranges of one packed projection, O merged heads, the gradients
-contiguous heads.
+stride is 1): Q, K and V are three column ranges of one packed projection, O and the gradients merged
+heads (or contiguous heads where the graph does not merge them).
 
 On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule), FlashAttention-2's
 structure without its tiles in shared memory: the head's Q, K, V and dO are widened to f32 once (K and V
