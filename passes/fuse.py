@@ -763,6 +763,8 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
         operands.append(_counters(launch.counters, plan.ops[-1]))
     op = _create("kern.launch", operands, {"kernel": SymbolRef(symbol), "path": path}, plan.ops[-1],
                  attributes["outputs"])
+    if len(op.results) > len(plan.outputs):
+        op.results[-1].name_hint = "partials"
     for old, new in zip(plan.outputs, op.results):
         new.name_hint = old.name_hint
         launched[old] = new

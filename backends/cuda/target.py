@@ -28,7 +28,6 @@ from .render import launches
 from .render.emit import EmitCuda
 from .render.pattern_kernels import ATTENTION_HEAD_DIMS, FLOAT_STORAGE, INDEX_STORAGE, pattern_program
 
-
 #: Streaming multiprocessors of the device each architecture names, the one place the lowering learns the
 #: device's size: sm_80 the A100 (108), sm_90 the H100 SXM and the H200 (132). A split column reduction fills
 #: them (`launches.column_split`); an architecture not here, or none (`fuse` without `arch`, cpu-c), splits

@@ -130,7 +130,7 @@ def test_the_counters_are_left_zero_for_the_next_launch() -> None:
 def test_a_smoke_gpt_step_lowered_for_sm_90_equals_the_interpreter_kernel_by_kernel(bf16: bool) -> None:
     from test_cuda_lowering import run_on_sim, training_module
 
-    reference, lowered = copies(training_module("gpt.sx", "smoke", ("layers=1", "width=36", "heads=3", "seq=13"),
+    reference, lowered = copies(training_module("gpt.sx", "smoke", ("layers=1", "width=36", "heads=3"),
                                                 bf16))
     lower(lowered, SPLIT_LOWERING)
     assert any(op.attributes.get("split", 1) > 1 for op in kernels(lowered)), "the smoke GPT has split bias gradients"
