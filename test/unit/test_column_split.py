@@ -126,6 +126,31 @@ def test_the_counters_are_left_zero_for_the_next_launch() -> None:
     np.testing.assert_allclose(firsts[0], x.sum(0) - x.max(0), rtol=1e-5, atol=1e-4)
 
 
+def test_the_cuda_sim_executor_lowers_for_its_architecture_and_replays_from_zeroed_counters() -> None:
+    """The executor lowers for its device's architecture (cuda-sim reports sm_90), so a run splits; the
+    arena the counters live in is shared with other graphs, and each call's fill zeroes them again."""
+    from sexpgpu.backends.cuda.graph_plan import LaunchStep
+    from sexpgpu.backends.devices import open_device
+
+    module = parse_module(column_sums(1001, 33), "columns.sxir")
+    executor = open_device("cuda-sim", "test")
+    executable = executor.compile(graph(module, "columns"))
+    grids = [step.grid for step in executable.plan.steps if isinstance(step, LaunchStep)]
+    assert (2, 15, 1) in grids and (1, 1, 1) in grids  # the split reduction and the counters' fill
+    inputs = random_inputs(graph(module, "columns"), np.random.default_rng(3))
+    x = inputs["x"].astype(np.float64)
+    want = {"e": (x.sum(0) - x.max(0)) * inputs["scale"], "b": x.sum(0)}
+    calls = []
+    for _ in range(3):
+        result = executable({k: executor.upload(v) for k, v in inputs.items()})
+        calls.append({k: np.array(executor.download(v)) for k, v in result.outputs.items()})
+    for outputs in calls:
+        for name in ("e", "b"):
+            assert np.array_equal(outputs[name], calls[0][name])
+    for name in ("e", "b"):
+        np.testing.assert_allclose(np.asarray(calls[0][name], np.float64), want[name], rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 def test_a_smoke_gpt_step_lowered_for_sm_90_equals_the_interpreter_kernel_by_kernel(bf16: bool) -> None:
     from test_cuda_lowering import run_on_sim, training_module
