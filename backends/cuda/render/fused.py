@@ -62,6 +62,22 @@ SXG_WARP_REDUCE(min)
 __device__ __forceinline__ float sxg_round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 """
 
+#: A split column reduction after its partials are stored: the last block of the strip to finish goes on
+#: (to combine them); it sets the strip's counter back to zero for the next launch (and graph replays).
+_LAST_CHUNK = """}}
+// Every partial is written before the counter says so (llm.c's and CUDA's threadFenceReduction).
+__threadfence();
+__shared__ bool last_chunk;
+__syncthreads();
+if (threadIdx.x == 0 && threadIdx.y == 0) {{
+    last_chunk = atomicAdd({counters} + blockIdx.x, 1) == {last};
+    if (last_chunk) {counters}[blockIdx.x] = 0;
+}}
+__syncthreads();
+if (!last_chunk) return;
+__threadfence();
+if (threadIdx.y == 0 && active) {{"""
+
 _FLOAT = ("f32", "bf16", "f16")
 _INT = ("i32", "i64")
 _UNARY = {"graph.neg": "(-{0})", "graph.exp": "expf({0})", "graph.log": "logf({0})", "graph.sqrt": "sqrtf({0})",
@@ -453,19 +469,8 @@ class FusedKernel:
         partials, counters = f"out{len(self.outputs)}", f"in{len(self.inputs)}"
         for j in range(len(accumulators)):
             w.line(f"{partials}[({j}LL * {self.split} + blockIdx.y) * {kept}LL + k] = acc{j};", 2)
-        w.line("}", 1)
-        w.line("// Every partial is written before the counter says so (llm.c's and CUDA's threadFenceReduction).", 1)
-        w.line("__threadfence();", 1)
-        w.line("__shared__ bool last_chunk;", 1)
-        w.line("__syncthreads();", 1)
-        w.line("if (threadIdx.x == 0 && threadIdx.y == 0) {", 1)
-        w.line(f"last_chunk = atomicAdd({counters} + blockIdx.x, 1) == {self.split - 1};", 2)
-        w.line(f"if (last_chunk) {counters}[blockIdx.x] = 0;  // zero again for the next launch (and replays)", 2)
-        w.line("}", 1)
-        w.line("__syncthreads();", 1)
-        w.line("if (!last_chunk) return;", 1)
-        w.line("__threadfence();", 1)
-        w.line("if (threadIdx.y == 0 && active) {", 1)
+        for line in _LAST_CHUNK.format(counters=counters, last=self.split - 1).splitlines():
+            w.line(line, 1)
         for j, (_, op) in enumerate(accumulators):
             # Volatile: other blocks wrote them, so they are read from memory (L2), never a stale cache line.
             w.line(f"const volatile float* chunks{j} = {partials} + {j}LL * {self.split} * {kept}LL + k;", 2)
