@@ -153,6 +153,10 @@ def _verify_split(op: Operation, split: Any, inputs: Sequence[TensorType], outpu
     if not inputs or inputs[-1].dtype != "i32" or not outputs or outputs[-1].dtype != "f32":
         raise VerifyError("a split reduction's last input is its i32 counters and its last output its f32 partials",
                           op)
+    grid = op.attributes["grid"]
+    if grid[1] != split or inputs[-1].numel < grid[0]:
+        raise VerifyError(f"a reduction split {split} ways launches {split} blocks down the grid's y and has a "
+                          f"counter for each of its {grid[0]} column strips", op)
 
 
 def _verify_body(op: Operation, inputs: Sequence[TensorType], outputs: Sequence[TensorType]) -> None:
