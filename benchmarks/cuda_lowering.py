@@ -24,7 +24,7 @@ from pathlib import Path
 from sexpgpu.dialects.core import tune_gc_for_large_ir
 from sexpgpu.passes import load_all
 from sexpgpu.passes.manager import CompilationUnit, PassManager, parse_pipeline
-from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
+from sexpgpu.passes.pipelines import TRAINING_PIPELINE, cuda_lowering
 
 from sexpgpu.targets import register_targets
 
@@ -44,7 +44,8 @@ def main() -> None:
     training = time.perf_counter() - start
     load_all()
     register_targets()
-    lowering = CUDA_LOWERING
+    # Lowered for the first architecture (its column reductions split for that device); one unit compiled for each.
+    lowering = cuda_lowering(args.arch[0])
     manager = PassManager(parse_pipeline(lowering), timing=True, log=io.StringIO())
     manager.run(unit)
     module = unit.module

@@ -243,7 +243,9 @@ def build_lowering(plan: Any) -> dict[str, Any]:
     where this build has the lowering (what the executor's setup does before it opens buffers)."""
     from sexpgpu.passes import pipelines
 
-    lowering = getattr(pipelines, "CUDA_LOWERING", None)
+    # For sm_90, as the executor lowers for its device's architecture (a build before `cuda_lowering` has one).
+    lowering = pipelines.cuda_lowering("sm_90") if hasattr(pipelines, "cuda_lowering") else getattr(
+        pipelines, "CUDA_LOWERING", None)
     if lowering is None:
         return {"lowering": f"{NOT_MEASURED}: this build has no CUDA lowering pipeline"}
     from sexpgpu.backends.cuda.nvrtc import compile_cubin

@@ -49,6 +49,11 @@ index, i32: `graph.iota`, `graph.one_hot`) and `kern.reduce %v {op}` (the
 reduction of `v` over the kernel's `reduce = {axes}`; what uses its result
 runs once per kept index, after the reduction).
 
+A reduction split across blocks (`split = S`: its reduced extent in S
+chunks down the grid's y, a column sum that would not fill the device
+otherwise) has one more input, its counters (i32 zeros it leaves zero), and
+one more output, its partial results (f32), outside its body.
+
 `kern.copy` (a value made contiguous) and `kern.fill {value}` (a splat
 constant made a buffer) say where `fuse` must materialise a value; `fuse`
 turns each into a kernel launch.
@@ -133,7 +138,25 @@ class KernelOp(OpDef):
             if op.attributes["direction"] not in CROSS_ENTROPY_DIRECTIONS:
                 raise VerifyError("an attention kernel's direction must be forward or backward", op)
         if kind in BODY_KINDS:
+            split = op.attributes.get("split", 1)
+            if split != 1:
+                _verify_split(op, split, inputs, outputs)
+                inputs, outputs = inputs[:-1], outputs[:-1]
             _verify_body(op, inputs, outputs)
+
+
+def _verify_split(op: Operation, split: Any, inputs: Sequence[TensorType], outputs: Sequence[TensorType]) -> None:
+    """A reduction split into `split` chunks reads its counters (i32, its last input) and writes its partials
+    (f32, its last output), neither of them in its body."""
+    if op.attributes["kind"] != "reduction" or not isinstance(split, int) or split < 2:
+        raise VerifyError(f"'split' is a reduction's count of chunks, at least 2, got {split!r}", op)
+    if not inputs or inputs[-1].dtype != "i32" or not outputs or outputs[-1].dtype != "f32":
+        raise VerifyError("a split reduction's last input is its i32 counters and its last output its f32 partials",
+                          op)
+    grid = op.attributes["grid"]
+    if grid[1] != split or inputs[-1].numel < grid[0]:
+        raise VerifyError(f"a reduction split {split} ways launches {split} blocks down the grid's y and has a "
+                          f"counter for each of its {grid[0]} column strips", op)
 
 
 def _verify_body(op: Operation, inputs: Sequence[TensorType], outputs: Sequence[TensorType]) -> None:

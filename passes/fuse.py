@@ -35,6 +35,12 @@ Around the groups:
   graph says where each member lies (`members`); update graphs are fused
   without the cap.
 
+A reduction the target splits across blocks (`split`: a column sum whose
+blocks would not fill the device of the pass's `arch`) also writes a scratch
+of partial results (one more output, which nothing reads) and reads the
+graph's counters (one more input: i32 zeros from one `fill` a graph, which
+every split launch leaves zero).
+
 Kernels are deduplicated by what they compute (kind, body, maps, shapes):
 identical layers share one symbol. Facts for the lowering report:
 `unit.facts.lowering.graphs[graph]` = nodes before, kernels per call,
@@ -111,6 +117,9 @@ class Fuse(Pass):
     recompute: int = 8
     #: The kernel target that plans each kernel's launch (`passes/targets.py`).
     target: str = "cuda"
+    #: The device architecture the launches are planned for (`sm_90`); empty: any (no launch depends on the
+    #: device's size, as on cpu-c).
+    arch: str = ""
 
     def run(self, unit: CompilationUnit) -> None:
         module = unit.require_module(self.name)
@@ -119,7 +128,7 @@ class Fuse(Pass):
         if self.recompute < 0:
             raise UsageError(f"option 'recompute' of pass 'fuse' must be at least 0, not {self.recompute}")
         facts = unit.facts.lowering_facts()
-        kernels = KernelTable(module, kernel_target(self.target))
+        kernels = KernelTable(module, kernel_target(self.target), self.arch)
         updates, fell_back = merge_update_groups(module)
         facts.updates.update(updates)
         facts.fell_back.extend(fell_back)
@@ -135,11 +144,12 @@ class Fuse(Pass):
 
 
 class KernelTable:
-    """The module's `kern.kernel`s, one per distinct computation, launched as `target` plans them."""
+    """The module's `kern.kernel`s, one per distinct computation, launched as `target` plans them for `arch`."""
 
-    def __init__(self, module: Operation, target: KernelTarget) -> None:
+    def __init__(self, module: Operation, target: KernelTarget, arch: str = "") -> None:
         self.module = module
         self.target = target
+        self.arch = arch
         self.symbols: dict[str, Operation] = {}
         for op in module.body.ops:
             if op.name == "kern.kernel":
@@ -737,19 +747,42 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
             attributes["reduce"] = {"axes": list(plan.reduce_axes)}
         attributes["kind"] = kind
         body = build_body(plan)
-        index_exprs = [op.attributes["expr"] for op in body.blocks[0].ops if op.name == "kern.index"]
-        launch = kernels.target.plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs)
+        body_ops = list(body.blocks[0].ops)
+        index_exprs = [op.attributes["expr"] for op in body_ops if op.name == "kern.index"]
+        accumulators = [op.operands[0].type.dtype for op in body_ops if op.name == "kern.reduce"]
+        launch = kernels.target.plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs,
+                                               kernels.arch, accumulators)
         attributes.update(launch.attributes())
+        if launch.split > 1:
+            attributes["inputs"] = [*inputs, launch.counters]
+            attributes["outputs"] = [*outputs, launch.scratch]
         symbol = kernels.intern(attributes, body, _stem(plan, kind), plan.ops[0].loc)
     members = set(plan.ops)
-    op = _create("kern.launch", [launched.get(a.root, a.root) for a in plan.inputs],
-                 {"kernel": SymbolRef(symbol), "path": path}, plan.ops[-1], outputs)
+    operands = [launched.get(a.root, a.root) for a in plan.inputs]
+    if attributes.get("split", 1) > 1:
+        operands.append(_counters(launch.counters, plan.ops[-1]))
+    op = _create("kern.launch", operands, {"kernel": SymbolRef(symbol), "path": path}, plan.ops[-1],
+                 attributes["outputs"])
+    if len(op.results) > len(plan.outputs):
+        op.results[-1].name_hint = "partials"
     for old, new in zip(plan.outputs, op.results):
         new.name_hint = old.name_hint
         launched[old] = new
         for use in list(old.uses):
             if use.op not in members:
                 use.op.set_operand(use.index, new)
+
+
+def _counters(counters: TensorType, before: Operation) -> Value:
+    """The graph's counters for split reductions: one `kern.fill` of zeros a graph (made before the first
+    launch that reads them; `schedule` moves it before any other), which every split launch leaves zero."""
+    block = before.parent
+    for op in block.ops:
+        if op.name == "kern.fill" and op.result.type == counters and op.attributes.get("counters"):
+            return op.result
+    fill = _create("kern.fill", [], {"value": 0, "counters": True}, before, [counters])
+    fill.result.name_hint = "counters"
+    return fill.result
 
 
 def _plain(plan: GroupPlan) -> bool:

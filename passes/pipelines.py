@@ -30,6 +30,12 @@ STACK_VARIANTS = "stack-variants"
 CUDA_LOWERING = "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers,emit-cuda"
 
 
+def cuda_lowering(arch: str) -> str:
+    """`CUDA_LOWERING` for the device architecture `arch` (`sm_90`): launches planned for its size (a column
+    reduction split to fill its SMs)."""
+    return CUDA_LOWERING.replace(",fuse,", f",fuse{{arch={arch}}},", 1) if arch else CUDA_LOWERING
+
+
 def run_graphs(stacking: bool) -> str:
     """The passes after the training pipeline that make the graphs a training run executes beside the
     experiment's; with `stacking`, the stacking variants too."""

@@ -14,7 +14,8 @@ distinct element its index map reaches (a broadcast reads its source, a gather t
 name, never more than the tensor holds); a template kernel reads its inputs whole (a gather or copy
 template at most one output's worth of its source; a scatter-add into the gradient so far, which the step
 runs in place, reads and writes the rows its indices can name); a GEMM reads A, B (a rank-2 operand shared
-by the batch once), the bias and C when it has them. FLOPs: a GEMM 2·m·n·k·batch; a fused kernel each arithmetic op of its body once per
+by the batch once), the bias and C when it has them; a reduction split across blocks also writes its partials
+and reads them back, and bumps a counter a block. FLOPs: a GEMM 2·m·n·k·batch; a fused kernel each arithmetic op of its body once per
 element of its domain (after a `kern.reduce`, once per kept element); a row or cross-entropy program a
 fixed count per element of its input (`ROW_FLOPS`, `CROSS_ENTROPY_FLOPS`); copies, fills and gathers
 none. The peak is the GPU's dense tensor-core peak of the GEMM's operand dtype times its achievable
@@ -189,7 +190,11 @@ def _kernel_reads_and_flops(kernel: Operation) -> tuple[int, int]:
     kind = attrs["kind"]
     if kind in BODY_KINDS:
         domain, maps = attrs["domain"], attrs["maps"]
-        return sum(_touched(t, _reached(m, maps, domain)) for t, m in zip(inputs, maps)), _body_flops(kernel)
+        read = sum(_touched(t, _reached(m, maps, domain)) for t, m in zip(inputs, maps))
+        if attrs.get("split", 1) > 1:
+            # The last block of each strip reads the partials back; every block bumps its strip's counter.
+            read += attrs["outputs"][-1].nbytes + math.prod(attrs["grid"]) * DTYPE_BYTES["i32"]
+        return read, _body_flops(kernel)
     if kind in ("gather", "copy"):
         # Indices are read whole; a table or a strided source at most one output's worth (what is taken).
         out = sum(t.numel for t in attrs["outputs"])

@@ -29,20 +29,27 @@ from ..dialects.core import TensorType
 
 @frozen
 class LaunchPlan:
-    """How one kernel `fuse` makes is launched: the target's strategy, grid, block, dynamic shared bytes and
-    the elements one thread handles with packed accesses (`vector`)."""
+    """How one kernel `fuse` makes is launched: the target's strategy, grid, block, dynamic shared bytes, the
+    elements one thread handles with packed accesses (`vector`), and for a reduction split across blocks the
+    chunks of its reduced extent (`split`), the scratch its blocks write their partial results to (one more
+    output nothing reads) and its counters (one more input, i32 zeros the launch leaves zero)."""
 
     strategy: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared: int = 0
     vector: int = 1
+    split: int = 1
+    scratch: TensorType | None = None
+    counters: TensorType | None = None
 
     def attributes(self) -> dict[str, Any]:
         """The `kern.kernel` attributes that record the plan."""
         attributes: dict[str, Any] = {"grid": list(self.grid), "block": list(self.block), "shared": self.shared}
         if self.vector > 1:
             attributes["vector"] = self.vector
+        if self.split > 1:
+            attributes["split"] = self.split
         return attributes
 
 
@@ -112,8 +119,11 @@ class KernelTarget(ABC):
     @abstractmethod
     def plan_generated(self, kind: str, domain: Sequence[int], reduce_axes: Sequence[int],
                        maps: Sequence[Mapping[str, Any]], inputs: Sequence[TensorType], outputs: Sequence[TensorType],
-                       index_exprs: Sequence[Mapping[str, Any]] = ()) -> LaunchPlan:
-        """The launch of a generated kernel of `kind` over `domain` reading through `maps`."""
+                       index_exprs: Sequence[Mapping[str, Any]] = (), arch: str = "",
+                       accumulators: Sequence[str] = ()) -> LaunchPlan:
+        """The launch of a generated kernel of `kind` over `domain` reading through `maps`, for the device
+        architecture `arch` (empty: any; then no launch depends on the device's size). `accumulators`: the
+        dtypes of the values a reduction's `kern.reduce`s reduce."""
 
     @abstractmethod
     def plan_template(self, kind: str, attributes: Mapping[str, Any]) -> tuple[LaunchPlan, dict[str, int], list[int]]:

@@ -4,8 +4,9 @@ Registered as `cuda` (a GPU through `SEXPGPU_CUDA_DRIVER`'s driver) and
 `cuda-sim` (the simulated device; the same code, so CI runs it). What it does
 with a graph (docs/cuda.md, "Running on the device"):
 
-- `compile(func)` runs the CUDA lowering (`passes.pipelines.CUDA_LOWERING`:
-  match-patterns, fuse, plan-buffers, emit-cuda) on a copy (`Operation.clone`)
+- `compile(func)` runs the CUDA lowering for the device's architecture
+  (`passes.pipelines.cuda_lowering`: match-patterns, fuse, plan-buffers,
+  emit-cuda) on a copy (`Operation.clone`)
   of the experiment's graphs in the module holding `func` — once per module,
   so they share one translation unit, one NVRTC compile and one loaded
   module — compiles the unit with the runtime's compiler (NVRTC CUBIN for the
@@ -147,7 +148,7 @@ class CudaExecutor(Executor):
 
     def _lower(self, module: Operation, name: str) -> LoweredModule:
         """Lower a module (a copy: the pipeline rewrites it) and load its kernels on the device."""
-        unit = lower(CompilationUnit(module=module))
+        unit = lower(CompilationUnit(module=module), arch=self.runtime.device.arch)
         identifier = _identifier(name)
         binary = compile_module(self.runtime.compiler, module, identifier)
         loaded = self.runtime.load_module(KernelSource(identifier, module_source(module), binary))

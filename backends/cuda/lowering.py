@@ -1,6 +1,7 @@
 """An experiment lowered for a CUDA device: the lowering pipeline, its kernels compiled by NVRTC, the report's document.
 
-- `lower(unit, stack)`: `stack{k=...}` (when k > 1) and `CUDA_LOWERING` on a unit after the training pipeline.
+- `lower(unit, stack, arch)`: `stack{k=...}` (when k > 1) and the CUDA lowering for `arch` (`cuda_lowering`)
+  on a unit after the training pipeline.
 - `NvrtcCompiler(arch)`: the GPU runtimes' `KernelCompiler`; `compile_module(compiler, module)` compiles a
   lowered module's translation unit with any compiler, naming the kernel NVRTC rejects.
 - `compile_lowered(module, arch)`: the module's translation unit (`kern.source`: every distinct kernel of
@@ -42,7 +43,7 @@ from ...passes.lowering_report import (
     without_launches,
 )
 from ...passes.manager import CompilationUnit, run_pipeline
-from ...passes.pipelines import CUDA_LOWERING, WORKING_COPIES
+from ...passes.pipelines import WORKING_COPIES, cuda_lowering
 from ...version import __version__
 from . import target  # noqa: F401  (registers the `cuda` target and emit-cuda, which CUDA_LOWERING runs)
 from .compiler import KernelCompiler
@@ -62,10 +63,11 @@ _CACHE_FORMAT = 1
 _ERROR_LINE = re.compile(r"\((\d+)\): (?:catastrophic )?error")
 
 
-def lower(unit: CompilationUnit, stack: int | None = None) -> CompilationUnit:
-    """`unit` (after the training pipeline) lowered for CUDA, with `@train_stacked` for `stack` microbatches
-    a call when `stack` is above 1."""
-    pipeline = f"stack{{k={stack}}},{CUDA_LOWERING}" if stack is not None and stack > 1 else CUDA_LOWERING
+def lower(unit: CompilationUnit, stack: int | None = None, arch: str = "") -> CompilationUnit:
+    """`unit` (after the training pipeline) lowered for CUDA on `arch` (empty: any device), with
+    `@train_stacked` for `stack` microbatches a call when `stack` is above 1."""
+    lowering = cuda_lowering(arch)
+    pipeline = f"stack{{k={stack}}},{lowering}" if stack is not None and stack > 1 else lowering
     return run_pipeline(unit, pipeline)
 
 
@@ -194,7 +196,7 @@ def lowering_report(unit: CompilationUnit, arch: str, stack: int | None = None, 
     path = cache_root() / "lowering" / key[:2] / f"{key}.json"
     document = _read_document(path) if use_cache else None
     if document is None:
-        lower(unit, stack)
+        lower(unit, stack, arch)
         cubin = compile_lowered(unit.module, arch, use_cache=use_cache)
         document = lowering_document(unit.module, unit.facts, arch, executor,
                                      compiled=compile_facts(unit.module, cubin, arch), launches=True)

@@ -28,6 +28,12 @@ from .render import launches
 from .render.emit import EmitCuda
 from .render.pattern_kernels import ATTENTION_HEAD_DIMS, FLOAT_STORAGE, INDEX_STORAGE, pattern_program
 
+#: Streaming multiprocessors of the device each architecture names, the one place the lowering learns the
+#: device's size: sm_80 the A100 (108), sm_90 the H100 SXM and the H200 (132). A split column reduction fills
+#: them (`launches.column_split`); an architecture not here, or none (`fuse` without `arch`, cpu-c), splits
+#: nothing.
+MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132}
+
 
 class CudaTarget(KernelTarget):
     """The CUDA C renderer's answers (see the module docstring)."""
@@ -59,8 +65,10 @@ class CudaTarget(KernelTarget):
 
     def plan_generated(self, kind: str, domain: Sequence[int], reduce_axes: Sequence[int],
                        maps: Sequence[Mapping[str, Any]], inputs: Sequence[TensorType], outputs: Sequence[TensorType],
-                       index_exprs: Sequence[Mapping[str, Any]] = ()) -> LaunchPlan:
-        return launches.plan_generated(kind, domain, reduce_axes, maps, inputs, outputs, index_exprs)
+                       index_exprs: Sequence[Mapping[str, Any]] = (), arch: str = "",
+                       accumulators: Sequence[str] = ()) -> LaunchPlan:
+        return launches.plan_generated(kind, domain, reduce_axes, maps, inputs, outputs, index_exprs,
+                                       MULTIPROCESSORS.get(arch, 0), accumulators)
 
     def plan_template(self, kind: str, attributes: Mapping[str, Any]) -> tuple[LaunchPlan, dict[str, int], list[int]]:
         return launches.plan_template(kind, attributes)

@@ -1,7 +1,8 @@
 """The CUDA lowering proven without a GPU.
 
 - Every kernel `fuse` and `emit-cuda` make for the examples and for GPT-2
-  small compiles with NVRTC for sm_80 and sm_90 without a spill (one
+  small, lowered for sm_80 and for sm_90 (column reductions split for
+  each one's SMs), compiles with NVRTC for it without a spill (one
   translation unit per module and architecture; the disk cache makes a
   second run cost milliseconds).
 - Every kernel of small lowered graphs (the examples at awkward sizes, f32
@@ -31,7 +32,7 @@ from sexpgpu.backends.cuda.nvrtc import compile_cubin
 from sexpgpu.dialects.parser import parse_module
 from sexpgpu.passes.flat_updates import flat_update_graph, param_type
 from sexpgpu.passes.manager import CompilationUnit, run_pipeline
-from sexpgpu.passes.pipelines import CUDA_LOWERING, TRAINING_PIPELINE
+from sexpgpu.passes.pipelines import TRAINING_PIPELINE, cuda_lowering
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -55,28 +56,34 @@ COMPILED = {
 }
 
 
+ARCHS = ("sm_80", "sm_90")
+
+
 @pytest.fixture(scope="module")
-def lowered_sources() -> dict[str, tuple[str, list[str]]]:
+def lowered_sources() -> dict[tuple[str, str], tuple[str, list[str]]]:
     """Each example's translation unit (the whole CUDA lowering: pattern kernels, fused groups, GEMM
-    epilogues, updates) and the functions its kernels name, lowered once."""
+    epilogues, updates) lowered for each architecture (column reductions split for its SMs), and the
+    functions its kernels name, lowered once."""
     sources = {}
     for key, (example, variant) in COMPILED.items():
-        unit = lower(training_module(example, variant), CUDA_LOWERING)
-        module = unit.module
-        source = next(op for op in module.body.ops if op.name == "kern.source").attributes["text"]
-        functions = [op.attributes["function"] for op in module.body.ops if op.name == "kern.kernel"]
-        sources[key] = (source, functions)
+        for arch in ARCHS:
+            module = lower(training_module(example, variant), cuda_lowering(arch)).module
+            source = next(op for op in module.body.ops if op.name == "kern.source").attributes["text"]
+            functions = [op.attributes["function"] for op in module.body.ops if op.name == "kern.kernel"]
+            sources[key, arch] = (source, functions)
     return sources
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("example", list(COMPILED))
 def test_every_kernel_compiles_with_nvrtc_without_a_spill(lowered_sources, example, arch):
-    source, functions = lowered_sources[example]
+    source, functions = lowered_sources[example, arch]
     cubin = compile_cubin(source, arch, name=example)
     assert set(functions) <= set(cubin.kernels), set(functions) - set(cubin.kernels)
     assert cubin.spilling() == [], [f"{k.name}: {k.spill_stores} B stored, {k.spill_loads} B loaded"
                                     for k in cubin.spilling()]
+    if example == "gpt2-small":
+        assert "atomicAdd(in" in source, "GPT-2's bias gradients are split column reductions"
 
 
 def test_layers_share_their_kernels():

@@ -36,7 +36,8 @@ class NarrowBlocks(CudaTarget):
 
     def plan_generated(self, kind: str, domain: Sequence[int], reduce_axes: Sequence[int],
                        maps: Sequence[Mapping[str, Any]], inputs: Sequence[TensorType], outputs: Sequence[TensorType],
-                       index_exprs: Sequence[Mapping[str, Any]] = ()) -> LaunchPlan:
+                       index_exprs: Sequence[Mapping[str, Any]] = (), arch: str = "",
+                       accumulators: Sequence[str] = ()) -> LaunchPlan:
         return LaunchPlan("flat", (3, 1, 1), (128, 1, 1))
 
 

@@ -39,7 +39,7 @@ from .kernel_source import (
     float_literal,
     pointer_param,
 )
-from .launches import COLUMN_LANES, COLUMN_PARTS, ROWS_PER_BLOCK, plan_generated
+from .launches import COLUMN_LANES, COLUMN_PARTS, ROWS_PER_BLOCK, chunk_rows, plan_generated
 
 #: Helpers the generated kernels share, after the prelude in a translation unit.
 FUSED_HELPERS = r"""
@@ -61,6 +61,22 @@ SXG_WARP_REDUCE(min)
 
 __device__ __forceinline__ float sxg_round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 """
+
+#: A split column reduction after its partials are stored: the last block of the strip to finish goes on
+#: (to combine them); it sets the strip's counter back to zero for the next launch (and graph replays).
+_LAST_CHUNK = """}}
+// Every partial is written before the counter says so (llm.c's and CUDA's threadFenceReduction).
+__threadfence();
+__shared__ bool last_chunk;
+__syncthreads();
+if (threadIdx.x == 0 && threadIdx.y == 0) {{
+    last_chunk = atomicAdd({counters} + blockIdx.x, 1) == {last};
+    if (last_chunk) {counters}[blockIdx.x] = 0;
+}}
+__syncthreads();
+if (!last_chunk) return;
+__threadfence();
+if (threadIdx.y == 0 && active) {{"""
 
 _FLOAT = ("f32", "bf16", "f16")
 _INT = ("i32", "i64")
@@ -136,8 +152,11 @@ class FusedKernel:
         self.symbol: str = attrs["sym_name"]
         self.kind: str = attrs["kind"]
         self.domain: tuple[int, ...] = tuple(attrs["domain"])
-        self.inputs: list[TensorType] = list(attrs["inputs"])
-        self.outputs: list[TensorType] = list(attrs["outputs"])
+        self.split: int = attrs.get("split", 1)
+        # A split reduction's last input is its counters and its last output its partials, outside the body.
+        scratch = 1 if self.split > 1 else 0
+        self.inputs: list[TensorType] = list(attrs["inputs"])[:len(attrs["inputs"]) - scratch]
+        self.outputs: list[TensorType] = list(attrs["outputs"])[:len(attrs["outputs"]) - scratch]
         self.maps = [Expr.from_attribute(self.domain, m) for m in attrs["maps"]]
         self.map_attributes = list(attrs["maps"])
         self.reduce_axes: tuple[int, ...] = tuple(attrs.get("reduce", {}).get("axes", ()))
@@ -145,8 +164,9 @@ class FusedKernel:
         self.args = {arg: k for k, arg in enumerate(self.block.args)}
         self.body = list(self.block.ops)
         index_exprs = [op.attributes["expr"] for op in self.body if op.name == "kern.index"]
+        accumulators = [op.operands[0].type.dtype for op in self.body if op.name == "kern.reduce"]
         self.plan = plan_generated(self.kind, self.domain, self.reduce_axes, self.map_attributes, self.inputs,
-                                   self.outputs, index_exprs)
+                                   self.outputs, index_exprs, accumulators=accumulators, split=self.split)
         if (list(self.plan.grid), list(self.plan.block)) != (attrs["grid"], attrs["block"]):
             raise ValueError(f"kernel {self.symbol}'s launch shape is not its plan's")
         self.names: dict[Value, str] = {}
@@ -157,8 +177,13 @@ class FusedKernel:
     def source(self) -> KernelSource:
         params = [pointer_param(f"in{k}", t.dtype, "input") if t.dtype != "i1" else
                   KernelParam(f"in{k}", "const bool* __restrict__", "input", "i1") for k, t in enumerate(self.inputs)]
+        if self.split > 1:
+            # Written (bumped, then set back to zero) though the launch reads it: not const.
+            params.append(KernelParam(f"in{len(self.inputs)}", "int*", "input", "i32"))
         params += [pointer_param(f"out{k}", t.dtype, "output", restrict=False) if t.dtype != "i1" else
                    KernelParam(f"out{k}", "bool*", "output", "i1") for k, t in enumerate(self.outputs)]
+        if self.split > 1:
+            params.append(pointer_param(f"out{len(self.outputs)}", "f32", "output"))
         threads = math.prod(self.plan.block)
         head = (f'extern "C" __global__ void __launch_bounds__({threads}, 1) {{NAME}}('
                 + ", ".join(f"{p.ctype} {p.name}" for p in params) + ") {\n")
@@ -345,10 +370,17 @@ class FusedKernel:
         strides = _row_major(self.domain)
         full_flat = " + ".join(f"i{d} * {strides[d]}LL" for d in range(len(self.domain))) or "0"
         threads = math.prod(self.plan.block)
+        end = f"{reduced_count}LL"
         if strategy == "columns":
             w.line(f"const long long k = (long long)blockIdx.x * {COLUMN_LANES} + threadIdx.x;", 1)
             w.line(f"const bool active = k < {kept_count}LL;", 1)
             start, step = "threadIdx.y", COLUMN_PARTS
+            if self.split > 1:
+                chunk = chunk_rows(reduced_count, self.split)
+                w.line(f"// This block's chunk of the reduced rows: chunk blockIdx.y of {self.split}.", 1)
+                w.line(f"const long long first_row = (long long)blockIdx.y * {chunk}LL;", 1)
+                w.line(f"const long long end_row = min(first_row + {chunk}LL, {reduced_count}LL);", 1)
+                start, end = "first_row + threadIdx.y", "end_row"
         elif strategy == "rows":
             w.line("const int lane = threadIdx.x % 32;", 1)
             w.line(f"const long long k = (long long)blockIdx.x * {ROWS_PER_BLOCK} + threadIdx.x / 32;", 1)
@@ -365,7 +397,7 @@ class FusedKernel:
             w.line(f"{vt} acc{j} = {identity};", 1)
             accumulators.append((vt, op.attributes["op"]))
         guard = "if (active) " if strategy == "columns" else ""
-        w.line(f"{guard}for (long long r = {start}; r < {reduced_count}LL; r += {step}) {{", 1)
+        w.line(f"{guard}for (long long r = {start}; r < {end}; r += {step}) {{", 1)
         self._decompose(w, 2, "r", reduced, "r_")
         full_outputs = [v for v in yielded if v not in after]
         needed = self._inputs_of(prologue + reductions) | {self.args[v] for v in full_outputs if v in self.args}
@@ -412,6 +444,8 @@ class FusedKernel:
             w.line("if (threadIdx.y == 0 && active) {", 1)
             for j, (_, op) in enumerate(accumulators):
                 w.line(f"for (int y = 1; y < {COLUMN_PARTS}; ++y) acc{j} = sxg_{op}(acc{j}, part{j}[y][threadIdx.x]);", 2)
+            if self.split > 1:
+                self._combine_chunks(w, accumulators)
             return
         warps = threads // 32
         for j, (vt, op) in enumerate(accumulators):
@@ -425,6 +459,23 @@ class FusedKernel:
             w.line(f"acc{j} = sxg_warp_{op}(threadIdx.x < {warps} ? part{j}[threadIdx.x] : ({vt}){identity});", 2)
         w.line("}", 1)
         w.line("if (threadIdx.x == 0) {", 1)
+
+    def _combine_chunks(self, w: _Writer, accumulators: list[tuple[str, str]]) -> None:
+        """A split column reduction, after its block's partial results (thread row 0 holds them): they go to
+        the partials; the last block of the strip to finish (its counter, bumped after a fence, says so) sets
+        the counter back to zero and combines the strip's partials in chunk order; opens the block that runs
+        the epilogue (in that last block)."""
+        kept = math.prod(n for d, n in enumerate(self.domain) if d not in self.reduce_axes)
+        partials, counters = f"out{len(self.outputs)}", f"in{len(self.inputs)}"
+        for j in range(len(accumulators)):
+            w.line(f"{partials}[({j}LL * {self.split} + blockIdx.y) * {kept}LL + k] = acc{j};", 2)
+        for line in _LAST_CHUNK.format(counters=counters, last=self.split - 1).splitlines():
+            w.line(line, 1)
+        for j, (_, op) in enumerate(accumulators):
+            # Volatile: other blocks wrote them, so they are read from memory (L2), never a stale cache line.
+            w.line(f"const volatile float* chunks{j} = {partials} + {j}LL * {self.split} * {kept}LL + k;", 2)
+            w.line(f"acc{j} = chunks{j}[0];", 2)
+            w.line(f"for (int c = 1; c < {self.split}; ++c) acc{j} = sxg_{op}(acc{j}, (float)chunks{j}[c * {kept}LL]);", 2)
 
     def _inputs_of(self, ops: Sequence[Operation]) -> set[int]:
         """The inputs `ops` read (and the index inputs their gathers need)."""

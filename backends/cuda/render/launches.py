@@ -16,9 +16,19 @@ Generated kernels (`pointwise`, `multi_tensor_update`, `reduction`):
   per kept element otherwise;
 - `columns`: a reduction whose innermost axis is kept, 32 kept elements
   across a block's x and 16 partial sums down its y, combined in order.
+  When those blocks (one per 32 kept elements) would not fill the device
+  (`column_split`: fewer than the target's SMs can hold at once, a bias
+  gradient's 24 blocks on a 132-SM H200) and the reduced extent is long
+  enough, the reduced rows are split into `split` chunks down the grid's y:
+  each block writes its 32 partial results to the `partials` scratch, and
+  the last block of a column strip to finish (a per-strip counter bumped
+  atomically after a `__threadfence`) combines the strip's partials in
+  chunk order 0..split-1, runs the epilogue and sets the counter back to
+  zero (llm.c's bias gradient in one launch instead of its two).
 Every reduction combines partial sums in a fixed order (warp shuffles in a
-butterfly, then warps or rows in index order), so its result depends only on
-the sizes, never on the order threads run in.
+butterfly, then warps or rows in index order, then chunks in index order),
+so its result depends only on the sizes and the target, never on the order
+threads or blocks run in.
 """
 
 from __future__ import annotations
@@ -40,6 +50,12 @@ ROWS_PER_BLOCK = 8
 WARP_ROW_LIMIT = 1024
 COLUMN_LANES = 32
 COLUMN_PARTS = 16
+#: Resident threads one SM holds (sm_80 to sm_90): a split column reduction launches enough blocks of
+#: `COLUMN_LANES * COLUMN_PARTS` threads to fill every SM with them, as llm.c sizes its bias-gradient grid.
+THREADS_PER_SM = 2048
+#: The fewest reduced rows a chunk of a split column reduction walks (each of its 16 row lanes at least 4):
+#: shorter chunks would spend more on the partials and the combine than the split gains.
+MIN_CHUNK_ROWS = 64
 #: Dtypes a generated kernel stores packed (others are read and written one element at a time).
 PACKED_DTYPES = ("f32", "bf16")
 
@@ -91,8 +107,11 @@ def _index_ok(expr: Expr, last: int, width: int) -> bool:
 
 def plan_generated(kind: str, domain: Sequence[int], reduce_axes: Sequence[int], maps: Sequence[Mapping[str, Any]],
                    inputs: Sequence[TensorType], outputs: Sequence[TensorType],
-                   index_exprs: Sequence[Mapping[str, Any]] = ()) -> LaunchPlan:
-    """The launch of a generated kernel of `kind` over `domain` reading through `maps`."""
+                   index_exprs: Sequence[Mapping[str, Any]] = (), multiprocessors: int = 0,
+                   accumulators: Sequence[str] = (), split: int | None = None) -> LaunchPlan:
+    """The launch of a generated kernel of `kind` over `domain` reading through `maps`, on a device of
+    `multiprocessors` SMs (0: unknown, no reduction is split). `accumulators` are the dtypes a reduction's
+    `kern.reduce`s reduce; `split` (a kernel's recorded one) replaces the choice of `column_split`."""
     if kind != "reduction":
         vector = vector_width(domain, maps, inputs, outputs, index_exprs)
         blocks = _flat_blocks(math.prod(domain) // vector)
@@ -100,11 +119,43 @@ def plan_generated(kind: str, domain: Sequence[int], reduce_axes: Sequence[int],
     reduced = math.prod(domain[a] for a in reduce_axes)
     kept = math.prod(domain) // reduced
     if domain and (len(domain) - 1) not in reduce_axes:
-        return LaunchPlan("columns", (-(-kept // COLUMN_LANES), 1, 1), (COLUMN_LANES, COLUMN_PARTS, 1))
+        strips = -(-kept // COLUMN_LANES)
+        if split is None:
+            split = column_split(strips, reduced, multiprocessors, accumulators)
+        if split == 1:
+            return LaunchPlan("columns", (strips, 1, 1), (COLUMN_LANES, COLUMN_PARTS, 1))
+        partials, counters = split_scratch(kept, split, len(accumulators), max(strips, multiprocessors))
+        return LaunchPlan("columns", (strips, split, 1), (COLUMN_LANES, COLUMN_PARTS, 1), split=split,
+                          scratch=partials, counters=counters)
     if reduced <= WARP_ROW_LIMIT:
         return LaunchPlan("rows", (-(-kept // ROWS_PER_BLOCK), 1, 1), (32 * ROWS_PER_BLOCK, 1, 1))
     threads = 256 if reduced <= 32 * 1024 else 1024
     return LaunchPlan("blocks", (kept, 1, 1), (threads, 1, 1))
+
+
+def column_split(strips: int, reduced: int, multiprocessors: int, accumulators: Sequence[str] = ()) -> int:
+    """Chunks the reduced rows of a column reduction of `strips` blocks are split into (1: none): enough for
+    `strips * chunks` blocks to fill `multiprocessors` SMs at full occupancy, each chunk at least
+    `MIN_CHUNK_ROWS` rows, every chunk non-empty. Float accumulators only (the partials are f32)."""
+    blocks_wanted = multiprocessors * THREADS_PER_SM // (COLUMN_LANES * COLUMN_PARTS)
+    if strips >= multiprocessors or not accumulators or any(d not in PACKED_DTYPES for d in accumulators):
+        return 1
+    chunks = min(-(-blocks_wanted // strips), reduced // MIN_CHUNK_ROWS)
+    if chunks < 2:
+        return 1
+    return -(-reduced // chunk_rows(reduced, chunks))
+
+
+def chunk_rows(reduced: int, split: int) -> int:
+    """Reduced rows each chunk of a column reduction split `split` ways walks (the last one the rest)."""
+    return -(-reduced // split)
+
+
+def split_scratch(kept: int, split: int, reductions: int, counters: int) -> tuple[TensorType, TensorType]:
+    """The scratch of a split column reduction: its partials (f32, `[reductions, split, kept]` flat) and
+    its `counters` (i32; strip x uses counter x). A reduction splits only while its strips are fewer than
+    the SMs, so counters as many as the SMs serve every split launch of a graph: one buffer, one fill."""
+    return TensorType((reductions * split * kept,), "f32"), TensorType((counters,), "i32")
 
 
 # -- template kinds -------------------------------------------------------------------------------
