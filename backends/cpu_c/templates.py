@@ -175,12 +175,15 @@ def _norm_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
     xhat = f"({o.ld('x', 'base + c')} - mean_r) * rstd_r" if layer else f"{o.ld('x', 'base + c')} * rstd_r"
     lines = [f"    {parallel_for(partials, rows * cols)}",
              f"    for (long long p = 0; p < {partials}LL; ++p) {{"]
+    lines.append(f"        const long long end = (p + 1) * {chunk}LL < {rows}LL ? (p + 1) * {chunk}LL : {rows}LL;")
     for name in sums:
+        # A partial row starts from its chunk's first row (0 + that row's value: the bits of a zeroed row
+        # added to, without zeroing it first); one no row falls in is zero.
         lines.append(f"        float* {name}_row = {name} + p * {cols}LL;")
-        lines.append(f"        for (long long c = 0; c < {cols}LL; ++c) {name}_row[c] = 0.0f;")
-    lines += [f"        const long long end = (p + 1) * {chunk}LL < {rows}LL ? (p + 1) * {chunk}LL : {rows}LL;",
-              f"        for (long long row = p * {chunk}LL; row < end; ++row) {{",
+        lines.append(f"        if (p * {chunk}LL >= end) for (long long c = 0; c < {cols}LL; ++c) {name}_row[c] = 0.0f;")
+    lines += [f"        for (long long row = p * {chunk}LL; row < end; ++row) {{",
               f"            const long long base = row * {cols}LL;",
+              f"            const int first = row == p * {chunk}LL;",
               f"            const float rstd_r = {o.ld('rstd', 'row')};"]
     if layer:
         lines.append(f"            const float mean_r = {o.ld('mean', 'row')};")
@@ -194,10 +197,9 @@ def _norm_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
               f"                const float xhat = {xhat};",
               f"                const float g = dy_c {w};",
               "                " + o.st("dx", "base + c", "(g - mean_g - xhat * mean_gx) * rstd_r")]
-    if "dweight_partials" in sums:
-        lines.append("                dweight_partials_row[c] += dy_c * xhat;")
-    if "dbias_partials" in sums:
-        lines.append("                dbias_partials_row[c] += dy_c;")
+    for name, value in (("dweight_partials", "dy_c * xhat"), ("dbias_partials", "dy_c")):
+        if name in sums:
+            lines.append(f"                {name}_row[c] = (first ? 0.0f : {name}_row[c]) + {value};")
     lines += ["            }", "        }", "    }"]
     return "\n".join(lines) + "\n"
 

@@ -86,6 +86,39 @@ def test_training_matches_the_interpreter(example, variant, sets, tolerance):
             assert relative(want[name], got[name]) <= tolerance, f"step {step}: {name} {got[name]} vs {want[name]}"
 
 
+RMSNORM_NET = """
+(defloader data :source (npy-file "points.npz") :fields ((x [5 16] f32) (target [5 16] f32)) :batch 2)
+(defmodule net ()
+  (let ((lin (sub lin (linear 16 16)))
+        (norm (sub norm (rmsnorm 16))))
+    (fn (x) (norm (lin x)))))
+(defmodel model (net))
+(defn objective (batch) (mean (* (model (get batch :x)) (get batch :target))))
+(defoptimizer opt (adamw :lr 0.01))
+(defrun :steps 4 :loader data :objective objective :optimizer opt)
+"""
+
+
+def test_a_norm_with_fewer_rows_than_partial_rows_trains_as_the_interpreter(tmp_path, monkeypatch):
+    # 10 rows a call and 16 planned partial rows of the weight's gradient: the partial rows no row falls in
+    # must be zero, the others start from their first row's value. The arena starts as NaNs, so a partial
+    # row the kernel leaves as it found it shows.
+    from sexpgpu.backends.cpu_c import executor as cpu_c_executor
+
+    monkeypatch.setattr(cpu_c_executor, "_grown", lambda array, nbytes: array if array.nbytes >= nbytes
+                        else np.full(cpu_c_executor.aligned(nbytes), 0xFF, np.uint8))
+    points = np.random.default_rng(5).standard_normal((2, 8, 5, 16)).astype(np.float32)
+    np.savez(tmp_path / "points.npz", x=points[0], target=points[1])
+    (tmp_path / "net.sx").write_text(RMSNORM_NET)
+    runs = {}
+    for device in ("cpu", "cpu-c"):
+        plan = TrainingPlan.compile(str(tmp_path / "net.sx"), None, [])
+        trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=open_device(device, "test"))
+        runs[device] = [trainer.train_step(step)[0] for step in range(1, 5)]
+    for step, (want, got) in enumerate(zip(runs["cpu"], runs["cpu-c"]), 1):
+        assert relative(want, got) <= 1e-5, f"step {step}: loss {got} on cpu-c, {want} on cpu"
+
+
 def test_stacked_microbatches_train_as_the_interpreter():
     # The spec GPT's 4 microbatches in one call of @train_stacked/4: the interpreter's losses.
     sets = ["layers=1"]
