@@ -116,7 +116,7 @@ static void sx_widen(float* out, int dtype, const void* in, long long count) {
     for (long long i = 0; i < count; ++i) out[i] = sx_get(dtype, in, i);
 }
 
-/* A kern.gemm: d = alpha op(a) op(b) (+ c when given) (+ bias, a row vector, when given), computed in f32
+/* A kern.gemm: d = alpha op(a) op(b) + (c when given + bias, a row vector, when given), computed in f32
    (16-bit operands widened into `work` first) and rounded once into d's dtype. */
 static __attribute__((noinline)) void sx_gemm_step(int ta, int tb, long long m, long long n, long long k, long long batch, float alpha,
                          int a_dtype, const void* a, long long a_count, long long stride_a,
@@ -136,13 +136,22 @@ static __attribute__((noinline)) void sx_gemm_step(int ta, int tb, long long m, 
         fb = wb;
     }
     float* dd = d_dtype == 0 ? (float*)d : (float*)work;
-    if (c != 0 && (const void*)c != (const void*)dd) sx_widen(dd, c_dtype, c, total);
-    sx_gemm(ta, tb, m, n, k, batch, alpha, fa, stride_a, fb, stride_b, c != 0 ? 1.0f : 0.0f, dd);
     if (bias != 0) {
+        /* d starts as the bias (plus c) and the BLAS adds the product to it: one pass over d, where adding the
+           bias after the product took a second and the BLAS zeroed d first (beta 0). */
         #pragma omp parallel for schedule(static) if(total >= 32768)
-        for (long long r = 0; r < total / n; ++r)
-            for (long long j = 0; j < n; ++j) dd[r * n + j] += sx_get(bias_dtype, bias, j);
+        for (long long r = 0; r < total / n; ++r) {
+            float* row = dd + r * n;
+            if (c == 0) {
+                for (long long j = 0; j < n; ++j) row[j] = sx_get(bias_dtype, bias, j);
+            } else {
+                for (long long j = 0; j < n; ++j) row[j] = sx_get(c_dtype, c, r * n + j) + sx_get(bias_dtype, bias, j);
+            }
+        }
+    } else if (c != 0 && (const void*)c != (const void*)dd) {
+        sx_widen(dd, c_dtype, c, total);
     }
+    sx_gemm(ta, tb, m, n, k, batch, alpha, fa, stride_a, fb, stride_b, c != 0 || bias != 0 ? 1.0f : 0.0f, dd);
     if (d_dtype == 1) {
         #pragma omp parallel for schedule(static) if(total >= 32768)
         for (long long i = 0; i < total; ++i) ((uint16_t*)d)[i] = sx_f32_bf16(dd[i]);
