@@ -9,17 +9,20 @@ size seq × seq is kept between steps. Every operand is read or written where it
 stride is 1): Q, K and V are three column ranges of one packed projection, O and the gradients merged
 heads (or contiguous heads where the graph does not merge them).
 
-On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule), FlashAttention-2's
-structure without its tiles in shared memory: the head's Q, K, V and dO are widened to f32 once (K and V
-also transposed, [head_dim][seq], zero-padded to a multiple of 8 keys), then blocks of `QUERY_BLOCK` query
-rows go through microkernels whose sums stay in vector registers (`ATTENTION_PRELUDE`): the scores
-Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its probabilities from the running maximum and sum (the
-forward) or the saved log-sum-exp (the backward), then P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block
-reads the keys up to its last row's (rounded up to a vector) and masks the rest, so causal attention
-skips the key blocks above the diagonal. Every sum runs in an order set by the sizes alone (over the head
-dimension, keys or query blocks in ascending order; a block's rows in a fixed pairwise tree) within one
-task, so the results do not depend on the thread count; all math is f32 and each output is rounded once
-when stored.
+On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule; each thread allocates one
+scratch block for its iterations), FlashAttention-2's structure without its tiles in shared memory: the
+head's K and V are transposed into f32 scratch ([head_dim][seq], zero-padded to a multiple of 8 keys; f32 by
+8 × 8 blocks in vector registers), Q, dO, V and K rows are read in place where they are f32 (widened into
+scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through one product microkernel
+(`sx_att_product` in `ATTENTION_PRELUDE`: `TILE_ROWS` × `TILE_VECTORS` sums in registers, multiply-adds
+fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
+probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
+P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block reads the keys up to its last row's (rounded up to a
+vector) and masks the rest, so causal attention skips the key blocks above the diagonal; its rows past the
+sequence repeat the last one and are never stored. Every sum runs in an order set by the sizes alone (over
+the head dimension, keys or a block's rows in ascending order, onto dK and dV block after block; a row's
+maximum and sum over 8 lanes in a fixed tree) within one task, so the results do not depend on the thread
+count; all math is f32 and each output is rounded once when stored.
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ def _tile(vectors: int) -> str:
 #: rows - 1 (their results are not used), so a head is read in place without padding; the strides make it
 #: the scores Q·Kᵀ (K transposed), P·V, dS·K, Pᵀ·dO and dSᵀ·Q. Multiply-adds fused where the host has FMA
 #: (`sx_fma8`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add elsewhere.
-#: `sx_att_softmax_row`: a score row's maximum and exp(x - max), vectorized.
+#: `sx_att_transpose8`: an 8 × 8 block transposed (AVX shuffles where the host has AVX); `sx_att_softmax_row`:
+#: a score row's maximum and exp(x - max), vectorized.
 ATTENTION_PRELUDE = (r"""
+/* The vector helpers are always inlined, so no call passes a vector (GCC warns, at the end of the unit, where
+   the host has no AVX). */
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef float sx_v8 __attribute__((vector_size(32), aligned(4), __may_alias__));
 #if defined(__AVX__)
 #include <immintrin.h>

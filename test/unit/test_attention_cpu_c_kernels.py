@@ -15,6 +15,7 @@ kernel writes fails. The results are the same bit for bit on 1 and 2 threads.
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 
 import ml_dtypes
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 NUMPY_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}
 BATCH, HEADS = 2, 2
+SEQS = (1, 7, 17, 64)
 #: Each step's (inputs, outputs), by operand name, in the order of the kernel's C parameters.
 STEPS = {
     ("forward", 0): (("q", "k", "v"), ("o", "lse")),
@@ -53,10 +55,7 @@ class Attention:
         self.placements = {"q": ["0", *packed], "k": [str(width), *packed], "v": [str(2 * width), *packed],
                            **{name: merged for name in ("o", "do", "dq", "dk", "dv")}}
         self.kernels = [self._kernel(direction, step) for direction, step in STEPS]
-        units = [PRELUDE + ATTENTION_PRELUDE + "".join(kernel_code(op) for op in self.kernels)
-                 + "void sx_test_threads(int n) {\n#ifdef _OPENMP\n    omp_set_num_threads(n);\n#endif\n}\n"
-                 + "".join(self._export(op) for op in self.kernels)]
-        self.library, _ = compile_shared(units, use_cache=False)
+        self.library: ctypes.CDLL | None = None
         rng = np.random.default_rng(seed)
         storage = NUMPY_DTYPES[dtype]
         self.buffers = {"qkv": rng.standard_normal((BATCH, seq, 3 * width)).astype(storage),
@@ -69,21 +68,24 @@ class Attention:
         tensor = TensorType(shape=(BATCH, self.seq, HEADS, self.head_dim), dtype=self.dtype)
         types = [stats if name in ("lse", "delta") else tensor for name in names]
         return Operation("kern.kernel", attributes={
-            "sym_name": f"attention_{direction}_{step}", "kind": "attention", "direction": direction,
+            "sym_name": f"attention_{direction}_{step}_{self.seq}_{'causal' if self.causal else 'full'}", "kind": "attention", "direction": direction,
             "step": step, "head_dim": self.head_dim, "causal": self.causal, "scale": self.scale,
             "placements": self.placements, "sizes": {"batch": BATCH, "heads": HEADS, "seq": self.seq},
             "operands": names, "inputs": types[:len(inputs)], "outputs": types[len(inputs):]})
 
-    @staticmethod
-    def _export(op: Operation) -> str:
-        """An exported function calling the (hidden) kernel, for ctypes."""
-        count = len(op.attributes["inputs"]) + len(op.attributes["outputs"])
-        function = kernel_function(op.attributes["sym_name"])
-        return (f"void sx_test_{function}({', '.join(f'void* p{k}' for k in range(count))}) {{\n"
-                f"    {function}({', '.join(f'p{k}' for k in range(count))});\n}}\n")
+    def code(self) -> str:
+        """The C of the kernels and, for ctypes, an exported function calling each (they are hidden)."""
+        code = ""
+        for op in self.kernels:
+            count = len(op.attributes["inputs"]) + len(op.attributes["outputs"])
+            function = kernel_function(op.attributes["sym_name"])
+            code += (kernel_code(op) + f"void sx_test_{function}({', '.join(f'void* p{k}' for k in range(count))}) {{\n"
+                     f"    {function}({', '.join(f'p{k}' for k in range(count))});\n}}\n")
+        return code
 
     def run(self, threads: int) -> dict[str, np.ndarray]:
         """O, the log-sum-exp, dQ, dK and dV of the kernels run on `threads` threads (outputs start as NaN)."""
+        assert self.library is not None, "compile() it first"
         self.library.sx_test_threads(threads)
         storage = NUMPY_DTYPES[self.dtype]
         qkv, do = self.buffers["qkv"], self.buffers["do"]
@@ -122,12 +124,30 @@ class Attention:
                 "dk": merged(self.scale * ds.transpose(0, 1, 3, 2) @ q), "dv": merged(p.transpose(0, 1, 3, 2) @ do)}
 
 
+def compile_attentions(attentions: list[Attention]) -> None:
+    """Build the kernels of `attentions` into one shared object (one compile) and give it to each."""
+    unit = (PRELUDE + ATTENTION_PRELUDE + "".join(attention.code() for attention in attentions)
+            + "void sx_test_threads(int n) {\n#ifdef _OPENMP\n    omp_set_num_threads(n);\n#endif\n}\n")
+    library, _ = compile_shared([unit], use_cache=False)
+    for attention in attentions:
+        attention.library = library
+
+
+@functools.cache
+def compiled(head_dim: int, dtype: str) -> dict[tuple[int, bool], Attention]:
+    """Every (seq, causal) case of a head dimension and storage type, compiled together."""
+    cases = {(seq, causal): Attention(head_dim, seq, causal, dtype, seed=head_dim * 1000 + seq)
+             for seq in SEQS for causal in (True, False)}
+    compile_attentions(list(cases.values()))
+    return cases
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("seq", [1, 7, 17, 64])
+@pytest.mark.parametrize("seq", SEQS)
 @pytest.mark.parametrize("head_dim", [8, 32, 40])
 def test_attention_kernels_against_reference(head_dim, seq, causal, dtype):
-    attention = Attention(head_dim, seq, causal, dtype, seed=head_dim * 1000 + seq)
+    attention = compiled(head_dim, dtype)[(seq, causal)]
     got, want = attention.run(threads=1), attention.reference()
     for name in want:
         magnitude = max(np.abs(want[name]).max(), 1.0)
@@ -139,6 +159,7 @@ def test_attention_kernels_against_reference(head_dim, seq, causal, dtype):
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_kernels_do_not_depend_on_the_thread_count(causal):
     attention = Attention(32, 64, causal, "f32")
+    compile_attentions([attention])
     one, two = attention.run(threads=1), attention.run(threads=2)
     for name in one:
         assert np.array_equal(one[name], two[name]), name
