@@ -14,7 +14,7 @@ scratch block for its iterations), FlashAttention-2's structure without its tile
 head's K and V are transposed into f32 scratch ([head_dim][seq], zero-padded to a multiple of 8 keys; f32 by
 8 × 8 blocks in vector registers), Q, dO, V and K rows are read in place where they are f32 (widened into
 scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through one product microkernel
-(`sx_att_product` in `ATTENTION_PRELUDE`: `TILE_ROWS` × `TILE_VECTORS` sums in registers, multiply-adds
+(`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, multiply-adds
 fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
 probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
 P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block reads the keys up to its last row's (rounded up to a
@@ -30,48 +30,45 @@ from __future__ import annotations
 from ...dialects.core import Operation
 from .kernels import PARALLEL_FROM, STORAGE, UnsupportedKernel, float_literal, load, store
 
-#: Query rows handled together (a multiple of `TILE_ROWS`, and of `VECTOR`, so a block's score rows are
+#: Query rows handled together (a multiple of `TILE_SUMS`, and of `VECTOR`, so a block's score rows are
 #: whole vectors of keys and the zero padding of a transposed head to a vector covers the last block).
 QUERY_BLOCK = 8
 #: f32 lanes of the microkernels' vectors (an AVX2 register; GCC's and Clang's vector extensions lower
 #: them to whatever the host has). Head dimensions are multiples of it (the attention targets take those).
 VECTOR = 8
-#: A register tile of `sx_att_product`: `TILE_ROWS` rows by `TILE_VECTORS` vectors of sums (8 of the 16 AVX2
-#: registers, 8 independent multiply-add chains), so one multiply-add costs 3/4 of a load (a vector of the
-#: other operand or a row's broadcast). 2 × 4 measured 10-15% faster than 4 × 2 on the attention kernels of
-#: tiny-gpt (head dimension 32: one tile spans a row of O, dQ, dK or dV).
-TILE_ROWS, TILE_VECTORS = 2, 4
-
-
-def _tile_widths() -> list[int]:
-    """The widths in vectors of `sx_att_product`'s tiles: `TILE_VECTORS`, then halves of it for the rest of
-    a row of sums (down to one vector)."""
-    widths = [TILE_VECTORS]
-    while widths[-1] > 1:
-        widths.append(widths[-1] // 2)
-    return widths
+#: Vectors of sums in a register tile of `sx_att_product`: 8 of the 16 AVX2 registers, 8 independent
+#: multiply-add chains (enough to cover an FMA's latency on both pipes), one multiply-add costing 3/4 of a
+#: load or less (a vector of the other operand or a row's broadcast).
+TILE_SUMS = 8
+#: Tile widths in vectors, widest first: a row of sums goes through the widest tiles that fit, then the
+#: narrower ones, each `TILE_SUMS // width` rows tall, so every tile has all its chains. 2 rows × 4 vectors
+#: measured 10-15% faster than 4 × 2 on the attention kernels of tiny-gpt (head dimension 32: one tile
+#: spans a row of O, dQ, dK or dV).
+TILE_WIDTHS = (4, 2, 1)
 
 
 def _tile(vectors: int) -> str:
-    """C of one register tile of `sx_att_product`: rows m0 .. m0 + TILE_ROWS - 1 by `vectors` vectors from n0,
-    summed over k in order, each sum in a register."""
-    cells = [(r, v) for r in range(TILE_ROWS) for v in range(vectors)]
+    """C of one register tile of `sx_att_product`: `TILE_SUMS // vectors` rows from m0 by `vectors` vectors
+    from n0, summed over k in order, each sum in a register."""
+    rows = range(TILE_SUMS // vectors)
+    cells = [(r, v) for r in rows for v in range(vectors)]
     at = "c + (m0 + {r}) * ldc + n0 + {o}"
-    return ("".join(f"            sx_v8 c{r}{v} = accumulate ? *(const sx_v8*)({at.format(r=r, o=v * VECTOR)}) : (sx_v8){{0}};\n"
-                    for r, v in cells)
+    return ("".join(f"            const float* a{r} = a + sx_imin(m0 + {r}, rows - 1) * am;\n" for r in rows)
+            + "".join(f"            sx_v8 c{r}{v} = accumulate ? *(const sx_v8*)({at.format(r=r, o=v * VECTOR)}) "
+                      ": (sx_v8){0};\n" for r, v in cells)
             + "            for (long long k = 0; k < K; ++k) {\n"
             + "".join(f"                const sx_v8 b{v} = *(const sx_v8*)(b + k * ldb + n0 + {v * VECTOR});\n"
                       for v in range(vectors))
             + "".join(f"                const sx_v8 a{r}k = sx_splat8(a{r}[k * ak]);\n"
                       + "".join(f"                c{r}{v} = sx_fma8(a{r}k, b{v}, c{r}{v});\n" for v in range(vectors))
-                      for r in range(TILE_ROWS))
+                      for r in rows)
             + "            }\n"
             + "".join(f"            *(sx_v8*)({at.format(r=r, o=v * VECTOR)}) = c{r}{v};\n" for r, v in cells))
 
 
 #: The microkernels of every attention kernel, at the start of each unit of kernels (`render.py`).
 #: `sx_att_product`, c[m][n] (+)= sum over k < K of a[m·am + k·ak] · b[k·ldb + n] for m < M (a multiple of
-#: TILE_ROWS) and n < N (a multiple of VECTOR), each sum in order of k: rows of a from `rows` on read row
+#: TILE_SUMS) and n < N (a multiple of VECTOR), each sum in order of k: rows of a from `rows` on read row
 #: rows - 1 (their results are not used), so a head is read in place without padding; the strides make it
 #: the scores Q·Kᵀ (K transposed), P·V, dS·K, Pᵀ·dO and dSᵀ·Q. Multiply-adds fused where the host has FMA
 #: (`sx_fma8`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add elsewhere.
@@ -97,11 +94,10 @@ static inline __attribute__((always_inline)) void sx_att_product(long long M, lo
                                                                 const float* a, long long am, long long ak,
                                                                 const float* b, long long ldb,
                                                                 float* c, long long ldc, int accumulate) {
-    for (long long m0 = 0; m0 < M; m0 += """ + str(TILE_ROWS) + """) {
-""" + "".join(f"        const float* a{r} = a + sx_imin(m0 + {r}, rows - 1) * am;\n" for r in range(TILE_ROWS)) + r"""        long long n0 = 0;
-""" + "".join(f"        for (; n0 + {width * VECTOR} <= N; n0 += {width * VECTOR}) {{\n{_tile(width)}        }}\n"
-              for width in _tile_widths()) + r"""    }
-}
+    long long n0 = 0;
+""" + "".join(f"    for (; n0 + {width * VECTOR} <= N; n0 += {width * VECTOR})\n"
+              f"        for (long long m0 = 0; m0 < M; m0 += {TILE_SUMS // width}) {{\n{_tile(width)}        }}\n"
+              for width in TILE_WIDTHS) + r"""}
 /* dst[j * ldd + i] = src[i * lds + j] for i, j < 8. */
 static inline __attribute__((always_inline)) void sx_att_transpose8(const float* src, long long lds, float* dst, long long ldd) {
 #if defined(__AVX__)
