@@ -37,8 +37,8 @@ QUERY_BLOCK = 8
 #: them to whatever the host has). Head dimensions are multiples of it (the attention targets take those).
 VECTOR = 8
 #: Vectors of sums in a register tile of `sx_att_product`: 8 of the 16 AVX2 registers, 8 independent
-#: multiply-add chains (enough to cover an FMA's latency on both pipes), one multiply-add costing 3/4 of a
-#: load or less (a vector of the other operand or a row's broadcast).
+#: multiply-add chains (enough to cover an FMA's latency on both pipes); a multiply-add costs 3/4 of a load
+#: (a vector of the other operand or a row's broadcast) in a 2 × 4 or 4 × 2 tile, 9/8 in an 8 × 1 one.
 TILE_SUMS = 8
 #: Tile widths in vectors, widest first: a row of sums goes through the widest tiles that fit, then the
 #: narrower ones, each `TILE_SUMS // width` rows tall, so every tile has all its chains. 2 rows × 4 vectors
