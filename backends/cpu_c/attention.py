@@ -9,80 +9,124 @@ size seq × seq is kept between steps. Every operand is read or written where it
 stride is 1): Q, K and V are three column ranges of one packed projection, O and the gradients merged
 heads (or contiguous heads where the graph does not merge them).
 
-On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule), FlashAttention-2's
-structure without its tiles in shared memory: the head's Q, K, V and dO are widened to f32 once (K and V
-also transposed, [head_dim][seq], zero-padded to a multiple of 8 keys), then blocks of `QUERY_BLOCK` query
-rows go through microkernels whose sums stay in vector registers (`ATTENTION_PRELUDE`): the scores
-Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its probabilities from the running maximum and sum (the
-forward) or the saved log-sum-exp (the backward), then P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block
-reads the keys up to its last row's (rounded up to a vector) and masks the rest, so causal attention
-skips the key blocks above the diagonal. Every sum runs in an order set by the sizes alone (over the head
-dimension, keys or query blocks in ascending order; a block's rows in a fixed pairwise tree) within one
-task, so the results do not depend on the thread count; all math is f32 and each output is rounded once
-when stored.
+On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule; each thread allocates one
+scratch block for its iterations), FlashAttention-2's structure without its tiles in shared memory: the
+head's K and V are transposed into f32 scratch ([head_dim][seq], zero-padded to a multiple of 8 keys; f32 by
+8 × 8 blocks in vector registers), Q, dO, V and K rows are read in place where they are f32 (widened into
+scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through one product microkernel
+(`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, multiply-adds
+fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
+probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
+P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block reads the keys up to its last row's (rounded up to a
+vector) and masks the rest, so causal attention skips the key blocks above the diagonal; its rows past the
+sequence repeat the last one and are never stored. Every sum runs in an order set by the sizes alone (over
+the head dimension, keys or a block's rows in ascending order, onto dK and dV block after block; a row's
+maximum and sum over 8 lanes in a fixed tree) within one task, so the results do not depend on the thread
+count; all math is f32 and each output is rounded once when stored.
 """
 
 from __future__ import annotations
 
 from ...dialects.core import Operation
-from .kernels import STORAGE, UnsupportedKernel, float_literal, load, parallel_for, store
+from .kernels import PARALLEL_FROM, STORAGE, UnsupportedKernel, float_literal, load, store
 
-#: Query rows handled together: the microkernels keep one vector of each row's sums in a register (8 of the
-#: 16 AVX2 registers). The same as `VECTOR`, so the zero padding of a head to a vector covers the last block.
+#: Query rows handled together (a multiple of `TILE_SUMS`, and of `VECTOR`, so a block's score rows are
+#: whole vectors of keys and the zero padding of a transposed head to a vector covers the last block).
 QUERY_BLOCK = 8
 #: f32 lanes of the microkernels' vectors (an AVX2 register; GCC's and Clang's vector extensions lower
 #: them to whatever the host has). Head dimensions are multiples of it (the attention targets take those).
 VECTOR = 8
-
-def _unrolled(template: str, rows: range = range(QUERY_BLOCK)) -> str:
-    """`template` once per row r of a block (`{r}`), for the microkernels: their sums stay in registers."""
-    return "".join(template.format(r=r) for r in rows)
-
-
-def _tree(name: str) -> str:
-    """name0 = the sum of name0 .. name7 in a fixed pairwise tree."""
-    lines, width = [], QUERY_BLOCK // 2
-    while width:
-        lines += [f"            {name}{r} += {name}{r + width};\n" for r in range(width)]
-        width //= 2
-    return "".join(lines)
+#: Vectors of sums in a register tile of `sx_att_product`: 8 of the 16 AVX2 registers, 8 independent
+#: multiply-add chains (enough to cover an FMA's latency on both pipes); a multiply-add costs 3/4 of a load
+#: (a vector of the other operand or a row's broadcast) in a 2 × 4 or 4 × 2 tile, 9/8 in an 8 × 1 one.
+TILE_SUMS = 8
+#: Tile widths in vectors, widest first: a row of sums goes through the widest tiles that fit, then the
+#: narrower ones, each `TILE_SUMS // width` rows tall, so every tile has all its chains. 2 rows × 4 vectors
+#: measured 10-15% faster than 4 × 2 on the attention kernels of tiny-gpt (head dimension 32: one tile
+#: spans a row of O, dQ, dK or dV).
+TILE_WIDTHS = (4, 2, 1)
 
 
-#: The microkernels of every attention kernel, at the start of each unit of kernels (`render.py`), over a
-#: block of `QUERY_BLOCK` query rows (its sums in as many vector registers): `sx_att_dots`, out[r][j] =
-#: a[r]·bt[:, j] for j < span (a multiple of VECTOR; `bt` a head transposed, row length `ldb`, and `out`
-#: the same); `sx_att_weighted`, out[r][:] = Σ_j w[r][j] x[j][:] over j < span, in order;
-#: `sx_att_accumulate`, acc[j][:] += the rows' w[r][j] x[r][:] summed in a fixed pairwise tree;
-#: `sx_att_softmax_row`. Scalar-times-vector products, unfused (`-ffp-contract=off`), as the kernels'
-#: other math.
+def _tile(vectors: int) -> str:
+    """C of one register tile of `sx_att_product`: `TILE_SUMS // vectors` rows from m0 by `vectors` vectors
+    from n0, summed over k in order, each sum in a register."""
+    rows = range(TILE_SUMS // vectors)
+    cells = [(r, v) for r in rows for v in range(vectors)]
+    at = "c + (m0 + {r}) * ldc + n0 + {o}"
+    return ("".join(f"            const float* a{r} = a + sx_imin(m0 + {r}, rows - 1) * am;\n" for r in rows)
+            + "".join(f"            sx_v8 c{r}{v} = accumulate ? *(const sx_v8*)({at.format(r=r, o=v * VECTOR)}) "
+                      ": (sx_v8){0};\n" for r, v in cells)
+            + "            for (long long k = 0; k < K; ++k) {\n"
+            + "".join(f"                const sx_v8 b{v} = *(const sx_v8*)(b + k * ldb + n0 + {v * VECTOR});\n"
+                      for v in range(vectors))
+            + "".join(f"                const sx_v8 a{r}k = sx_splat8(a{r}[k * ak]);\n"
+                      + "".join(f"                c{r}{v} = sx_fma8(a{r}k, b{v}, c{r}{v});\n" for v in range(vectors))
+                      for r in rows)
+            + "            }\n"
+            + "".join(f"            *(sx_v8*)({at.format(r=r, o=v * VECTOR)}) = c{r}{v};\n" for r, v in cells))
+
+
+#: The microkernels of every attention kernel, at the start of each unit of kernels (`render.py`).
+#: `sx_att_product`, c[m][n] (+)= sum over k < K of a[m·am + k·ak] · b[k·ldb + n] for m < M (a multiple of
+#: TILE_SUMS) and n < N (a multiple of VECTOR), each sum in order of k: rows of a from `rows` on read row
+#: rows - 1 (their results are not used), so a head is read in place without padding; the strides make it
+#: the scores Q·Kᵀ (K transposed), P·V, dS·K, Pᵀ·dO and dSᵀ·Q. Multiply-adds fused where the host has FMA
+#: (`sx_fma8`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add elsewhere.
+#: `sx_att_transpose8`: an 8 × 8 block transposed (AVX shuffles where the host has AVX); `sx_att_softmax_row`:
+#: a score row's maximum and exp(x - max), vectorized.
 ATTENTION_PRELUDE = (r"""
+/* The vector helpers are always inlined, so no call passes a vector (GCC warns, at the end of the unit, where
+   the host has no AVX). */
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef float sx_v8 __attribute__((vector_size(32), aligned(4), __may_alias__));
-static inline __attribute__((always_inline)) void sx_att_dots(long long D, const float* a, const float* bt, long long ldb,
-                                                             long long span, float* out) {
-    for (long long j = 0; j < span; j += 8) {
-""" + _unrolled("        sx_v8 acc{r} = {{0}};\n") + r"""        for (long long d = 0; d < D; ++d) {
-            const sx_v8 b = *(const sx_v8*)(bt + d * ldb + j);
-""" + _unrolled("            acc{r} += a[{r} * D + d] * b;\n") + r"""        }
-""" + _unrolled("        *(sx_v8*)(out + {r} * ldb + j) = acc{r};\n") + r"""    }
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+#if defined(__FMA__) && defined(__AVX__)
+static inline __attribute__((always_inline)) sx_v8 sx_fma8(sx_v8 a, sx_v8 b, sx_v8 c) {
+    return (sx_v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
-static inline __attribute__((always_inline)) void sx_att_weighted(long long span, const float* w, long long ldw,
-                                                                 const float* x, long long D, float* out) {
-    for (long long d = 0; d < D; d += 8) {
-""" + _unrolled("        sx_v8 acc{r} = {{0}};\n") + r"""        for (long long j = 0; j < span; ++j) {
-            const sx_v8 v = *(const sx_v8*)(x + j * D + d);
-""" + _unrolled("            acc{r} += w[{r} * ldw + j] * v;\n") + r"""        }
-""" + _unrolled("        *(sx_v8*)(out + {r} * D + d) = acc{r};\n") + r"""    }
-}
-static inline __attribute__((always_inline)) void sx_att_accumulate(long long span, const float* w, long long ldw,
-                                                                   const float* x, long long D, float* acc) {
-    for (long long j = 0; j < span; ++j) {
-        for (long long d = 0; d < D; d += 8) {
-""" + _unrolled("            sx_v8 t{r} = w[{r} * ldw + j] * *(const sx_v8*)(x + {r} * D + d);\n") + _tree("t") + r"""            *(sx_v8*)(acc + j * D + d) += t0;
-        }
-    }
+#else
+static inline __attribute__((always_inline)) sx_v8 sx_fma8(sx_v8 a, sx_v8 b, sx_v8 c) { return a * b + c; }
+#endif
+static inline __attribute__((always_inline)) sx_v8 sx_splat8(float x) { return (sx_v8){x, x, x, x, x, x, x, x}; }
+static inline __attribute__((always_inline)) void sx_att_product(long long M, long long N, long long K, long long rows,
+                                                                const float* a, long long am, long long ak,
+                                                                const float* b, long long ldb,
+                                                                float* c, long long ldc, int accumulate) {
+    long long n0 = 0;
+""" + "".join(f"    for (; n0 + {width * VECTOR} <= N; n0 += {width * VECTOR})\n"
+              f"        for (long long m0 = 0; m0 < M; m0 += {TILE_SUMS // width}) {{\n{_tile(width)}        }}\n"
+              for width in TILE_WIDTHS) + r"""}
+/* dst[j * ldd + i] = src[i * lds + j] for i, j < 8. */
+static inline __attribute__((always_inline)) void sx_att_transpose8(const float* src, long long lds, float* dst, long long ldd) {
+#if defined(__AVX__)
+    const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds),
+                 r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds),
+                 r5 = _mm256_loadu_ps(src + 5 * lds), r6 = _mm256_loadu_ps(src + 6 * lds),
+                 r7 = _mm256_loadu_ps(src + 7 * lds);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+                 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+#else
+    for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 8; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
 }
 /* A score row's maximum m (NaN-propagating, as sx_fmax) and the sum of exp(x - m), each over 8 lanes of
-   vectors combined in a fixed tree; x[j] becomes exp(x[j] - m). */
+   vectors combined in a fixed tree (lane l with l + 4, then l + 2, then l + 1); x[j] becomes exp(x[j] - m). */
 typedef int sx_i8 __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) float sx_att_softmax_row(float* x, long long span, float* sum) {
     sx_v8 top = (sx_v8){0} - INFINITY, total = {0};
@@ -91,21 +135,12 @@ static inline __attribute__((always_inline)) float sx_att_softmax_row(float* x, 
         const sx_i8 larger = (v > top) | (v != v);
         top = (sx_v8)(((sx_i8)v & larger) | ((sx_i8)top & ~larger));
     }
-    float lanes[8];
-    for (int l = 0; l < 8; ++l) lanes[l] = top[l];
-    for (int width = 4; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) lanes[l] = sx_fmax(lanes[l], lanes[l + width]);
-    const float m = lanes[0];
-    for (long long j = 0; j < span; j += 8) {
-        sx_v8 e;
-        for (int l = 0; l < 8; ++l) e[l] = sx_expf(x[j + l] - m);
-        *(sx_v8*)(x + j) = e;
-        total += e;
-    }
-    for (int l = 0; l < 8; ++l) lanes[l] = total[l];
-    for (int width = 4; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-    *sum = lanes[0];
+    const float m = sx_fmax(sx_fmax(sx_fmax(top[0], top[4]), sx_fmax(top[2], top[6])),
+                            sx_fmax(sx_fmax(top[1], top[5]), sx_fmax(top[3], top[7])));
+    #pragma omp simd
+    for (long long j = 0; j < span; ++j) x[j] = sx_expf(x[j] - m);
+    for (long long j = 0; j < span; j += 8) total += *(const sx_v8*)(x + j);
+    *sum = ((total[0] + total[4]) + (total[2] + total[6])) + ((total[1] + total[5]) + (total[3] + total[7]));
     return m;
 }
 """)
@@ -146,18 +181,45 @@ class AttentionKernel:
 
     def code(self) -> str:
         if self.direction == "forward":
-            body = self._forward()
+            scratch, body = self._forward()
         else:
-            body = (self._delta, self._dkdv, self._dq)[self.step]()
+            scratch, body = (self._delta, self._dkdv, self._dq)[self.step]()
         T, D = self.seq, self.head_dim
         work = self.tasks * T * T * D
+        # One scratch block a thread (not one a task), its arrays 64-byte aligned.
+        sizes = [-(-count // 16) * 16 for _, count in scratch]
+        carve = "".join(f"        float* {name} = sx_scratch + {sum(sizes[:k])}LL;\n"
+                        for k, (name, _) in enumerate(scratch))
         return (self.head
-                + f"    {parallel_for(self.tasks, work)}\n"
-                + f"    for (long long task = 0; task < {self.tasks}LL; ++task) {{\n"
-                + f"        const long long b = task / {self.heads}LL, h = task % {self.heads}LL;\n"
-                + "".join(f"        const long long {name}0 = {self._start(name)};\n" for name in self._placed())
-                + body
+                + f"    #pragma omp parallel if({work} >= {PARALLEL_FROM})\n"
+                + "    {\n"
+                + (f"        float* sx_scratch = (float*)aligned_alloc(64, {sum(sizes)}LL * sizeof(float));\n{carve}"
+                   if scratch else "")
+                + "        #pragma omp for schedule(static)\n"
+                + f"        for (long long task = 0; task < {self.tasks}LL; ++task) {{\n"
+                + f"            const long long b = task / {self.heads}LL, h = task % {self.heads}LL;\n"
+                + "".join(f"            const long long {name}0 = {self._start(name)};\n" for name in self._placed())
+                + _indented(self._prefetch_next())
+                + _indented(body)
+                + "        }\n"
+                + ("        free(sx_scratch);\n" if scratch else "")
                 + "    }\n")
+
+    def _prefetch_next(self) -> str:
+        """Prefetch the next task's heads of the inputs read by token (the thread's next task under a static
+        schedule): its rows are strided, so the hardware prefetcher does not fetch them ahead."""
+        T, D = self.seq, self.head_dim
+        names = [name for name in ("q", "k", "v", "do") if name in self.dtypes]
+        lines = "".join(
+            f"            __builtin_prefetch(a_{name} + {self._start(name).replace('b *', 'nb *').replace('h *', 'nh *')}"
+            f" + t * {self.placements[name][3]}LL + {d});\n"
+            for name in names for d in range(0, D, 16))
+        return (f"        if (task + 1 < {self.tasks}LL) {{\n"
+                f"            const long long nb = (task + 1) / {self.heads}LL, nh = (task + 1) % {self.heads}LL;\n"
+                f"            for (long long t = 0; t < {T}LL; ++t) {{\n"
+                + lines.replace("            __b", "                __b")
+                + "            }\n"
+                "        }\n")
 
     # -- operands ---------------------------------------------------------------------------------------
 
@@ -178,55 +240,72 @@ class AttentionKernel:
     def _st(self, name: str, token: str, feature: str, value: str) -> str:
         return store(self.dtypes[name], f"a_{name}", self._at(name, token, feature), value)
 
-    def _scratch(self, *arrays: tuple[str, int]) -> str:
-        return "".join(f"        float* {name} = (float*)malloc({count}LL * sizeof(float));\n" for name, count in arrays)
-
-    @staticmethod
-    def _free(*names: str) -> str:
-        return "".join(f"        free({name});\n" for name in names)
-
-    def _rows(self, name: str, into: str) -> str:
-        """This head of `name` widened to f32 rows: into[t * D + d] (rows from seq to `padded` zero)."""
+    def _rows(self, *names: str) -> tuple[list[tuple[str, int]], str]:
+        """Each head of `names` as f32 rows `<name>_rows`, row stride `<name>_ld`: f32 in place (token
+        stride), other storage widened into scratch (stride D). The scratch arrays and the C."""
         T, D = self.seq, self.head_dim
-        return (f"        for (long long t = 0; t < {T}LL; ++t)\n"
-                f"            for (long long d = 0; d < {D}LL; ++d) {into}[t * {D}LL + d] = {self._ld(name, 't', 'd')};\n"
-                f"        for (long long e = {T * D}LL; e < {self.padded * D}LL; ++e) {into}[e] = 0.0f;\n")
+        scratch, c = [], ""
+        for name in names:
+            if self.dtypes[name] == "f32":
+                c += (f"        const float* {name}_rows = a_{name} + {name}0;\n"
+                      f"        const long long {name}_ld = {self.placements[name][3]}LL;\n")
+                continue
+            scratch.append((f"{name}_wide", T * D))
+            c += (f"        for (long long t = 0; t < {T}LL; ++t)\n"
+                  f"            for (long long d = 0; d < {D}LL; ++d) {name}_wide[t * {D}LL + d] = {self._ld(name, 't', 'd')};\n"
+                  f"        const float* {name}_rows = {name}_wide;\n"
+                  f"        const long long {name}_ld = {D}LL;\n")
+        return scratch, c
 
     def _columns(self, name: str, into: str) -> str:
-        """This head of `name` widened to f32 and transposed: into[d * padded + t] (zero from seq on)."""
+        """This head of `name` widened to f32 and transposed: into[d * padded + t] (zero from seq on); f32 by
+        8 × 8 blocks of whole vectors of tokens."""
         T, D, Tp = self.seq, self.head_dim, self.padded
+        whole = T // VECTOR * VECTOR if self.dtypes[name] == "f32" else 0
+        blocks = (f"        for (long long t0 = 0; t0 < {whole}LL; t0 += {VECTOR}LL)\n"
+                  f"            for (long long d0 = 0; d0 < {D}LL; d0 += {VECTOR}LL)\n"
+                  f"                sx_att_transpose8(a_{name} + {self._at(name, 't0', 'd0')}, {self.placements[name][3]}LL, "
+                  f"{into} + d0 * {Tp}LL + t0, {Tp}LL);\n") if whole else ""
         return (f"        for (long long d = 0; d < {D}LL; ++d)\n"
                 f"            for (long long t = {T}LL; t < {Tp}LL; ++t) {into}[d * {Tp}LL + t] = 0.0f;\n"
-                f"        for (long long t = 0; t < {T}LL; ++t)\n"
+                + blocks
+                + f"        for (long long t = {whole}LL; t < {T}LL; ++t)\n"
                 f"            for (long long d = 0; d < {D}LL; ++d) {into}[d * {Tp}LL + t] = {self._ld(name, 't', 'd')};\n")
 
     def _blocks(self, block: str) -> str:
-        """The loop over blocks of `QUERY_BLOCK` query rows i0 .. i0 + 7, each seeing the keys below `span`
-        (the last row's keys rounded up to a vector), `block` the C of one. The rows past the sequence read
-        the zero padding of the widened heads and are not stored."""
+        """The loop over blocks of `QUERY_BLOCK` query rows i0 .. i0 + 7, `rows` of them in the sequence, each
+        seeing the keys below `span` (the last row's keys rounded up to a vector; `keys` of them in the
+        sequence), `block` the C of one. The rows past the sequence repeat its last row and are not stored."""
         T = self.seq
-        keys = f"i0 + {QUERY_BLOCK}LL < {T}LL ? i0 + {QUERY_BLOCK}LL : {T}LL" if self.causal else f"{T}LL"
+        last = f"i0 + {QUERY_BLOCK}LL < {T}LL ? i0 + {QUERY_BLOCK}LL : {T}LL" if self.causal else f"{T}LL"
         return (f"        for (long long i0 = 0; i0 < {T}LL; i0 += {QUERY_BLOCK}LL) {{\n"
-                f"            const long long span = (({keys}) + {VECTOR - 1}LL) / {VECTOR}LL * {VECTOR}LL;\n"
+                f"            const long long rows = sx_imin({QUERY_BLOCK}LL, {T}LL - i0);\n"
+                f"            const long long span = (({last}) + {VECTOR - 1}LL) / {VECTOR}LL * {VECTOR}LL;\n"
+                f"            const long long keys = sx_imin(span, {T}LL);\n"
                 f"{block}"
                 "        }\n")
 
     def _rows_of_block(self, body: str) -> str:
         """`body` for each row r of a block that is in the sequence, with `limit` the last key it sees."""
         limit = "i0 + r" if self.causal else f"{self.seq - 1}LL"
-        return (f"            for (long long r = 0; r < {QUERY_BLOCK}LL && i0 + r < {self.seq}LL; ++r) {{\n"
+        return (f"            for (long long r = 0; r < rows; ++r) {{\n"
                 f"                const long long limit = {limit};\n"
                 f"{body}"
                 "            }\n")
 
+    def _scores(self, rows: str, columns: str, into: str) -> str:
+        """into[r][j] = <rows>[i0 + r] · <columns>[:, j] for the block's rows and keys below span."""
+        D, Tp = self.head_dim, self.padded
+        return (f"            sx_att_product({QUERY_BLOCK}LL, span, {D}LL, rows, {rows}_rows + i0 * {rows}_ld, {rows}_ld, 1LL, "
+                f"{columns}, {Tp}LL, {into}, {Tp}LL, 0);\n")
+
     def _probabilities(self) -> str:
-        """p[r][j] = exp(scale·q·k - lse) from the scores in p, ds[r][j] = p (dO·V - D) from dP in ds; zero
-        for the keys a row does not see and for the rows past the sequence."""
-        T, D, Tp = self.seq, self.head_dim, self.padded
-        return (f"            sx_att_dots({D}LL, qs + i0 * {D}LL, kt, {Tp}LL, span, p);\n"
-                f"            sx_att_dots({D}LL, dos + i0 * {D}LL, vt, {Tp}LL, span, ds);\n"
-                f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r) {{\n"
-                f"                const long long limit = i0 + r >= {T}LL ? -1 : {'i0 + r' if self.causal else f'{T - 1}LL'};\n"
+        """p[r][j] = exp(scale·q·k - lse), ds[r][j] = p (dO·V - D); zero for the keys a row does not see and
+        for the rows past the sequence."""
+        T, Tp = self.seq, self.padded
+        return (self._scores("q", "kt", "p") + self._scores("do", "vt", "ds")
+                + f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r) {{\n"
+                f"                const long long limit = r >= rows ? -1 : {'i0 + r' if self.causal else f'{T - 1}LL'};\n"
                 f"                const float lse_r = limit < 0 ? 0.0f : a_lse[task * {T}LL + i0 + r];\n"
                 f"                const float delta_r = limit < 0 ? 0.0f : a_delta[task * {T}LL + i0 + r];\n"
                 f"                float* p_r = p + r * {Tp}LL;\n"
@@ -239,10 +318,11 @@ class AttentionKernel:
                 "                }\n"
                 "            }\n")
 
-    # -- the kernels ----------------------------------------------------------------------------------------
+    # -- the kernels: each (scratch arrays, C of one task) ------------------------------------------------
 
-    def _forward(self) -> str:
+    def _forward(self) -> tuple[list[tuple[str, int]], str]:
         T, D, Tp = self.seq, self.head_dim, self.padded
+        wide, rows = self._rows("q", "v")
         softmax = (f"                float* s_r = s + r * {Tp}LL;\n"
                    "                #pragma omp simd\n"
                    "                for (long long j = 0; j < span; ++j)\n"
@@ -253,57 +333,59 @@ class AttentionKernel:
                    f"                a_lse[task * {T}LL + i0 + r] = m + logf(l);\n")
         store = (f"                for (long long d = 0; d < {D}LL; ++d) "
                  f"{self._st('o', 'i0 + r', 'd', f'acc[r * {D}LL + d] / sums[r]')}\n")
-        block = (f"            sx_att_dots({D}LL, qs + i0 * {D}LL, kt, {Tp}LL, span, s);\n"
+        block = (self._scores("q", "kt", "s")
                  + self._rows_of_block(softmax)
-                 + f"            sx_att_weighted(span, s, {Tp}LL, vs, {D}LL, acc);\n"
+                 + f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, s, {Tp}LL, 1LL, v_rows, v_ld, acc, {D}LL, 0);\n"
                  + self._rows_of_block(store))
-        return (self._scratch(("kt", D * Tp), ("vs", Tp * D), ("qs", Tp * D), ("s", QUERY_BLOCK * Tp),
-                              ("acc", QUERY_BLOCK * D), ("sums", QUERY_BLOCK))
-                + f"        for (long long e = 0; e < {QUERY_BLOCK * Tp}LL; ++e) s[e] = 0.0f;\n"
-                + self._columns("k", "kt") + self._rows("v", "vs") + self._rows("q", "qs")
-                + self._blocks(block)
-                + self._free("kt", "vs", "qs", "s", "acc", "sums"))
+        scratch = [("kt", D * Tp), ("s", QUERY_BLOCK * Tp), ("acc", QUERY_BLOCK * D), ("sums", QUERY_BLOCK), *wide]
+        return scratch, self._columns("k", "kt") + rows + self._blocks(block)
 
-    def _delta(self) -> str:
+    def _delta(self) -> tuple[list[tuple[str, int]], str]:
         T, D = self.seq, self.head_dim
-        return (f"        for (long long i = 0; i < {T}LL; ++i) {{\n"
-                "            float sum = 0.0f;\n"
-                f"            for (long long d = 0; d < {D}LL; ++d) sum += {self._ld('do', 'i', 'd')} * {self._ld('o', 'i', 'd')};\n"
-                f"            a_delta[task * {T}LL + i] = sum;\n"
-                "        }\n")
+        return [], (f"        for (long long i = 0; i < {T}LL; ++i) {{\n"
+                    "            float sum = 0.0f;\n"
+                    f"            for (long long d = 0; d < {D}LL; ++d) sum += {self._ld('do', 'i', 'd')} * {self._ld('o', 'i', 'd')};\n"
+                    f"            a_delta[task * {T}LL + i] = sum;\n"
+                    "        }\n")
 
-    def _backward_scratch(self, *more: tuple[str, int]) -> str:
+    def _backward(self, *rows: str) -> tuple[list[tuple[str, int]], str]:
+        """The scratch and C every backward step starts with: K and V transposed, Q, dO and `rows` as rows."""
         D, Tp = self.head_dim, self.padded
-        return (self._scratch(("kt", D * Tp), ("vt", D * Tp), ("qs", Tp * D), ("dos", Tp * D),
-                              ("p", QUERY_BLOCK * Tp), ("ds", QUERY_BLOCK * Tp), *more)
-                + self._columns("k", "kt") + self._columns("v", "vt") + self._rows("q", "qs") + self._rows("do", "dos"))
+        wide, c = self._rows("q", "do", *rows)
+        return ([("kt", D * Tp), ("vt", D * Tp), ("p", QUERY_BLOCK * Tp), ("ds", QUERY_BLOCK * Tp), *wide],
+                self._columns("k", "kt") + self._columns("v", "vt") + c)
 
-    def _dkdv(self) -> str:
+    def _dkdv(self) -> tuple[list[tuple[str, int]], str]:
         T, D, Tp = self.seq, self.head_dim, self.padded
+        # dV[j] += Σ_r P[r][j] dO[r] and dK[j] += Σ_r dS[r][j] Q[r] over the block's rows, keys j < span.
         block = (self._probabilities()
-                 + f"            sx_att_accumulate(span, p, {Tp}LL, dos + i0 * {D}LL, {D}LL, dv_acc);\n"
-                 f"            sx_att_accumulate(span, ds, {Tp}LL, qs + i0 * {D}LL, {D}LL, dk_acc);\n")
-        return (self._backward_scratch(("dk_acc", Tp * D), ("dv_acc", Tp * D))
+                 + f"            sx_att_product(span, {D}LL, rows, span, p, 1LL, {Tp}LL, do_rows + i0 * do_ld, do_ld, dv_acc, {D}LL, 1);\n"
+                 f"            sx_att_product(span, {D}LL, rows, span, ds, 1LL, {Tp}LL, q_rows + i0 * q_ld, q_ld, dk_acc, {D}LL, 1);\n")
+        scratch, start = self._backward()
+        return ([*scratch, ("dk_acc", Tp * D), ("dv_acc", Tp * D)],
+                start
                 + f"        for (long long e = 0; e < {Tp * D}LL; ++e) {{ dk_acc[e] = 0.0f; dv_acc[e] = 0.0f; }}\n"
                 + self._blocks(block)
                 + f"        for (long long t = 0; t < {T}LL; ++t)\n"
                 f"            for (long long d = 0; d < {D}LL; ++d) {{\n"
                 f"                {self._st('dk', 't', 'd', f'dk_acc[t * {D}LL + d] * {self.scale}')}\n"
                 f"                {self._st('dv', 't', 'd', f'dv_acc[t * {D}LL + d]')}\n"
-                "            }\n"
-                + self._free("kt", "vt", "qs", "dos", "p", "ds", "dk_acc", "dv_acc"))
+                "            }\n")
 
-    def _dq(self) -> str:
+    def _dq(self) -> tuple[list[tuple[str, int]], str]:
         D, Tp = self.head_dim, self.padded
         store = (f"                for (long long d = 0; d < {D}LL; ++d) "
                  f"{self._st('dq', 'i0 + r', 'd', f'acc[r * {D}LL + d] * {self.scale}')}\n")
         block = (self._probabilities()
-                 + f"            sx_att_weighted(span, ds, {Tp}LL, ks, {D}LL, acc);\n"
+                 + f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, ds, {Tp}LL, 1LL, k_rows, k_ld, acc, {D}LL, 0);\n"
                  + self._rows_of_block(store))
-        return (self._backward_scratch(("ks", Tp * D), ("acc", QUERY_BLOCK * D))
-                + self._rows("k", "ks")
-                + self._blocks(block)
-                + self._free("kt", "vt", "qs", "dos", "p", "ds", "ks", "acc"))
+        scratch, start = self._backward("k")
+        return [*scratch, ("acc", QUERY_BLOCK * D)], start + self._blocks(block)
+
+
+def _indented(code: str) -> str:
+    """`code` (a task's C, 8 spaces deep) 4 spaces deeper: inside the parallel region."""
+    return "".join(f"    {line}" if line.strip() else line for line in code.splitlines(keepends=True))
 
 
 def attention_code(kernel: Operation) -> str:
