@@ -9,15 +9,13 @@ thread count (bit for bit). Sequences of 7 tokens, so no row of a head is a mult
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
+from sexpgpu.backends.cpu_c.compiler import missing_compiler
 from test_attention_cuda_sim import EXPERIMENT
 from test_guards_cuda_sim import losses
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None
-                                and shutil.which("clang") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="no C compiler with OpenMP on this machine")
 
 
 @pytest.fixture

@@ -15,21 +15,20 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from sexpgpu.backends.checkpoint import list_checkpoints
+from sexpgpu.backends.cpu_c.compiler import missing_compiler
 from sexpgpu.backends.devices import open_device
 from sexpgpu.backends.events import read_events
 from sexpgpu.backends.training import Trainer, TrainingPlan, train
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None
-                                and shutil.which("clang") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="no C compiler with OpenMP on this machine")
 
 
 @pytest.fixture(autouse=True, scope="module")

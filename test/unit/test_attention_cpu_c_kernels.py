@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 from sexpgpu.backends.cpu_c.attention import ATTENTION_PRELUDE
-from sexpgpu.backends.cpu_c.compiler import compile_shared
+from sexpgpu.backends.cpu_c.compiler import compile_shared, missing_compiler
 from sexpgpu.backends.cpu_c.kernels import PRELUDE
 from sexpgpu.backends.cpu_c.render import kernel_code, kernel_function
 from sexpgpu.dialects.core import Operation, TensorType
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None
-                                and shutil.which("clang") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="no C compiler with OpenMP on this machine")
 
 NUMPY_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}

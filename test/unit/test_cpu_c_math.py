@@ -8,8 +8,11 @@ import math
 
 import numpy as np
 import pytest
+from sexpgpu.backends.cpu_c.compiler import missing_compiler
 from sexpgpu.backends.devices import open_device
 from sexpgpu.dialects.parser import parse_module
+
+pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="no C compiler with OpenMP on this machine")
 
 SIZE = 200_003  # not a multiple of any vector width: the loops' tails run too
 
