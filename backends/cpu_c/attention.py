@@ -211,13 +211,13 @@ class AttentionKernel:
         T, D = self.seq, self.head_dim
         names = [name for name in ("q", "k", "v", "do") if name in self.dtypes]
         lines = "".join(
-            f"            __builtin_prefetch(a_{name} + {self._start(name).replace('b *', 'nb *').replace('h *', 'nh *')}"
+            f"                __builtin_prefetch(a_{name} + {self._start(name, 'nb', 'nh')}"
             f" + t * {self.placements[name][3]}LL + {d});\n"
             for name in names for d in range(0, D, 16))
         return (f"        if (task + 1 < {self.tasks}LL) {{\n"
                 f"            const long long nb = (task + 1) / {self.heads}LL, nh = (task + 1) % {self.heads}LL;\n"
                 f"            for (long long t = 0; t < {T}LL; ++t) {{\n"
-                + lines.replace("            __b", "                __b")
+                + lines
                 + "            }\n"
                 "        }\n")
 
@@ -226,9 +226,10 @@ class AttentionKernel:
     def _placed(self) -> list[str]:
         return [name for name in self.placements if name in self.dtypes]
 
-    def _start(self, name: str) -> str:
-        offset, batch, head, _ = self.placements[name]
-        return f"{offset}LL + b * {batch}LL + h * {head}LL"
+    def _start(self, name: str, batch: str = "b", head: str = "h") -> str:
+        """The element index where the head `head` of batch `batch` (C expressions) of `name` starts."""
+        offset, batch_stride, head_stride, _ = self.placements[name]
+        return f"{offset}LL + {batch} * {batch_stride}LL + {head} * {head_stride}LL"
 
     def _at(self, name: str, token: str, feature: str) -> str:
         """The element index of (token, feature) of this task's head of `name`."""
