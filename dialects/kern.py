@@ -61,7 +61,7 @@ turns each into a kernel launch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .core import OpDef, Operation, SymbolRef, TensorType, VerifyError, register_op
@@ -285,6 +285,14 @@ def kernel_symbol(op: Operation) -> str:
     if not isinstance(ref, SymbolRef):
         raise VerifyError("'kern.launch' needs a symbol attribute 'kernel'", op)
     return ref.name
+
+
+def body_plan_facts(ops: Iterable[Operation]) -> tuple[list[Any], list[str]]:
+    """What a kernel body tells its launch plan (`KernelTarget.plan_generated`): the expressions of its
+    `kern.index` ops (whether packed accesses stay aligned) and the dtypes its `kern.reduce`s reduce."""
+    ops = list(ops)
+    return ([op.attributes["expr"] for op in ops if op.name == "kern.index"],
+            [op.operands[0].type.dtype for op in ops if op.name == "kern.reduce"])
 
 
 def adds_into(kernel: Operation, operand: int) -> bool:

@@ -63,6 +63,7 @@ from ..dialects.core import Block, Builder, Operation, SymbolRef, TensorType, Va
 from ..dialects.exp import OPTIMIZER_GRAPH_KINDS
 from ..dialects.graph import cast_dtype, func_kind, graph_funcs, is_derived, op_axis, transpose_perm
 from ..dialects.index_maps import Expr, reshape_index
+from ..dialects.kern import body_plan_facts
 from ..dialects.printer import print_op
 from ..dialects.traits import Trait, has_trait
 from .dce import eliminate_dead_ops
@@ -747,9 +748,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
             attributes["reduce"] = {"axes": list(plan.reduce_axes)}
         attributes["kind"] = kind
         body = build_body(plan)
-        body_ops = list(body.blocks[0].ops)
-        index_exprs = [op.attributes["expr"] for op in body_ops if op.name == "kern.index"]
-        accumulators = [op.operands[0].type.dtype for op in body_ops if op.name == "kern.reduce"]
+        index_exprs, accumulators = body_plan_facts(body.blocks[0].ops)
         launch = kernels.target.plan_generated(kind, plan.domain, plan.reduce_axes, maps, inputs, outputs, index_exprs,
                                                kernels.arch, accumulators)
         attributes.update(launch.attributes())

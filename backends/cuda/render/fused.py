@@ -30,6 +30,7 @@ from typing import Any
 
 from ....dialects.core import Operation, TensorType, Value
 from ....dialects.index_maps import Expr
+from ....dialects.kern import body_plan_facts
 from .kernel_source import (
     KernelParam,
     KernelSource,
@@ -163,8 +164,7 @@ class FusedKernel:
         self.block = kernel.regions[0].blocks[0]
         self.args = {arg: k for k, arg in enumerate(self.block.args)}
         self.body = list(self.block.ops)
-        index_exprs = [op.attributes["expr"] for op in self.body if op.name == "kern.index"]
-        accumulators = [op.operands[0].type.dtype for op in self.body if op.name == "kern.reduce"]
+        index_exprs, accumulators = body_plan_facts(self.body)
         self.plan = plan_generated(self.kind, self.domain, self.reduce_axes, self.map_attributes, self.inputs,
                                    self.outputs, index_exprs, accumulators=accumulators, split=self.split)
         if (list(self.plan.grid), list(self.plan.block)) != (attrs["grid"], attrs["block"]):
