@@ -90,9 +90,10 @@ static inline long long sx_imin(long long a, long long b) { return a < b ? a : b
    polynomial (Cephes' expf): within 1.5 ulps (measured); 0 from -87 down (no results below 2^-126), inf above
    ln(FLT_MAX), NaN kept. sx_erff: Eigen's and XLA's float erf, x P(x^2) / Q(x^2) of degrees 13/10 on
    [-4, 4] (erf(+-4) is +-1 in f32): within 7 ulps (measured: 5.5 with fused multiply-adds, 6.5 without;
-   the interpreter's erf is within 1.6). Their polynomials step by fused multiply-adds where the host has them (as Eigen's
-   do): a GELU's kernels are bound by these steps (22% faster measured), and neither function is numpy's
-   anyway, so no rounding of the interpreter's is given up; every other product stays unfused. */
+   the interpreter's erf is within 1.6). Their polynomials step by fused multiply-adds where the host has
+   them (as Eigen's do): a GELU's kernels are bound by these steps (22% faster measured), and neither
+   function is numpy's anyway, so no rounding of the interpreter's is given up; every other product stays
+   unfused. */
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define SX_MADD(a, b, c) __builtin_fmaf(a, b, c)
 #else

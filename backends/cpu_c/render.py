@@ -73,9 +73,9 @@ void sx_set_threads(int n) {
    weight gradient, 128 rows by 384 columns, is two blocks of columns). A block is at least
    SX_GEMM_MIN_BLOCK rows or columns where the side allows, as each repacks the other operand (128-row blocks
    of a 1024x128x512 product run about 8% slower than 256-row ones at one thread); a shorter side of at
-   least twice SX_GEMM_SMALL_BLOCK is still cut in two, as a microbatch's 256-row products would otherwise leave every
-   thread but one idle (measured on 2 cores: the spec GPT's smoke step 60 ms with them whole, 46 ms halved;
-   at one thread a halved 256-row product costs 0-10%). */
+   least twice SX_GEMM_SMALL_BLOCK is still cut in two, as a microbatch's 256-row products would otherwise
+   leave every thread but one idle (measured on 2 cores: the spec GPT's smoke step 60 ms with them whole,
+   46 ms halved; at one thread a halved 256-row product costs 0-10%). */
 #define SX_GEMM_PARALLEL (1LL << 21)
 #define SX_GEMM_MIN_BLOCK 192
 #define SX_GEMM_SMALL_BLOCK 128
