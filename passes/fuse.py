@@ -156,6 +156,18 @@ class KernelTable:
             if op.name == "kern.kernel":
                 self.symbols[op.attributes["sym_name"]] = op
         self._by_text: dict[str, str] = {}
+        #: Each graph's counters of split reductions (`counters`), by its block and their type.
+        self._counters: dict[tuple[Block, TensorType], Value] = {}
+
+    def counters(self, counters: TensorType, before: Operation) -> Value:
+        """The graph's counters for split reductions: one `kern.fill` of zeros a graph (made before the first
+        launch that reads them; `schedule` moves it before any other), which every split launch leaves zero."""
+        key = (before.parent, counters)
+        if key not in self._counters:
+            fill = _create("kern.fill", [], {"value": 0, "counters": True}, before, [counters])
+            fill.result.name_hint = "counters"
+            self._counters[key] = fill.result
+        return self._counters[key]
 
     def intern(self, attributes: dict[str, Any], body: Any, stem: str, loc: Location | None = None) -> str:
         """The symbol of the kernel with these attributes and body (its path aside), made when new."""
@@ -759,7 +771,7 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
     members = set(plan.ops)
     operands = [launched.get(a.root, a.root) for a in plan.inputs]
     if attributes.get("split", 1) > 1:
-        operands.append(_counters(launch.counters, plan.ops[-1]))
+        operands.append(kernels.counters(launch.counters, plan.ops[-1]))
     op = _create("kern.launch", operands, {"kernel": SymbolRef(symbol), "path": path}, plan.ops[-1],
                  attributes["outputs"])
     if len(op.results) > len(plan.outputs):
@@ -770,18 +782,6 @@ def _launch_group(plan: GroupPlan, kind: str, kernels: KernelTable, path_of: dic
         for use in list(old.uses):
             if use.op not in members:
                 use.op.set_operand(use.index, new)
-
-
-def _counters(counters: TensorType, before: Operation) -> Value:
-    """The graph's counters for split reductions: one `kern.fill` of zeros a graph (made before the first
-    launch that reads them; `schedule` moves it before any other), which every split launch leaves zero."""
-    block = before.parent
-    for op in block.ops:
-        if op.name == "kern.fill" and op.result.type == counters and op.attributes.get("counters"):
-            return op.result
-    fill = _create("kern.fill", [], {"value": 0, "counters": True}, before, [counters])
-    fill.result.name_hint = "counters"
-    return fill.result
 
 
 def _plain(plan: GroupPlan) -> bool:
