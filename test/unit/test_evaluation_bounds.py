@@ -7,6 +7,7 @@ drawn from a pool of the awkward (nil, nan, huge ints, tensors, functions, neste
 
 import math
 import os
+import queue
 import random
 import resource
 import signal
@@ -257,25 +258,45 @@ def _interrupt(path, point, rng):
         [sys.executable, "-X", "importtime", *_sexpgpu("eval", str(path))[1:]], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    # Both pipes are drained by threads through their file objects to the end: `communicate` after a
+    # `readline` reads the descriptor behind the object's buffer and loses what it held, cut mid-line.
+    err_lines, out_lines = [], queue.Queue()
+    language_imported = threading.Event()
+
+    def drain_stderr():
+        for line in proc.stderr:
+            err_lines.append(line)
+            if "sexpgpu.frontend" in line:
+                language_imported.set()
+        language_imported.set()
+
+    def drain_stdout():
+        for line in proc.stdout:
+            out_lines.put(line)
+        out_lines.put("")
+
+    drains = [threading.Thread(target=drain, daemon=True) for drain in (drain_stderr, drain_stdout)]
+    for drain in drains:
+        drain.start()
     try:
         if point == "starting":
             # The language is imported once the command runs (`-X importtime` says when): then the
             # file is read, the evaluation thread starts and the first form runs, in the next moment.
-            line = "-"
-            while line and "sexpgpu.frontend" not in line:
-                line = proc.stderr.readline()
+            assert language_imported.wait(60)
             time.sleep(rng.uniform(0, 0.5))
         else:
             lines = _LINES_BEFORE_DEEP if point == "deep" else point
             for _ in range(lines):
-                assert proc.stdout.readline()
+                assert out_lines.get(timeout=60)
             if point == "deep":
                 time.sleep(rng.uniform(0.05, 0.5))
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)  # a hang fails here, not a slow machine
+        proc.wait(timeout=60)  # a hang fails here, not a slow machine
+        for drain in drains:
+            drain.join(60)
     finally:
         proc.kill()
-    return proc.returncode, "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+    return proc.returncode, "".join(line for line in err_lines if not line.startswith("import time:"))
 
 
 def test_ctrl_c_reaches_the_caller_of_run_deep_once_the_thread_has_unwound():
