@@ -47,5 +47,7 @@ def run_graphs(stacking: bool) -> str:
 SAMPLING_PIPELINE = TRAINING_PIPELINE.replace("evaluate,", "evaluate{inference=true},", 1)
 
 #: After the training pipeline, for the compiled CPU target (`cpu-c`): the CUDA lowering's target-independent
-#: passes; the C renderer (backends/cpu_c/) reads the `kern` plan they leave.
-CPU_C_LOWERING = "gemm-layouts{transposes=false},match-patterns,gemm-layouts,fuse,plan-buffers"
+#: passes, asking the `cpu-c` kernel target (backends/cpu_c/target.py); the C renderer (backends/cpu_c/)
+#: reads the `kern` plan they leave.
+CPU_C_LOWERING = ("gemm-layouts{transposes=false},match-patterns{target=cpu-c},gemm-layouts,fuse{target=cpu-c},"
+                  "plan-buffers")

@@ -48,13 +48,14 @@ ROW_FLOPS = {
 }
 #: FLOPs per logit of the cross-entropy tail (step 0; the loss's sum step adds its input once).
 CROSS_ENTROPY_FLOPS = {"forward": 4, "backward": 4}
-#: Block products (each 2·d FLOPs per query-key pair of a head) an `attention` launch computes, by direction
-#: and step: the forward's scores and value product; the backward's row sums D (none), its dK/dV step
-#: (scores, dP, dV, dK) and its dQ step (scores, dP, dQ) — the scores and dP recomputed, never stored.
-ATTENTION_PRODUCTS = {("forward", 0): 2, ("backward", 0): 0, ("backward", 1): 4, ("backward", 2): 3}
+#: Block products (each 2·d FLOPs per query-key pair of a head) an `attention` launch computes, by what it
+#: writes: the forward's scores and value product; the CUDA backward's row sums D (none), its dK/dV step
+#: (scores, dP, dV, dK) and its dQ step (scores, dP, dQ) — the scores and dP recomputed, never stored — and
+#: cpu-c's one backward step (scores, dP, dV, dK, dQ).
+ATTENTION_PRODUCTS = {("lse", "o"): 2, ("delta",): 0, ("dk", "dv"): 4, ("dq",): 3, ("dk", "dq", "dv"): 5}
 #: The products of the math itself (what MFU counts, as the lowered GEMMs of a materialised attention were
 #: counted, and as PaLM's 12·L·H·d·T a token does: no recomputation, the masked half included).
-ATTENTION_MATH_PRODUCTS = {("forward", 0): 2, ("backward", 0): 0, ("backward", 1): 2, ("backward", 2): 2}
+ATTENTION_MATH_PRODUCTS = {("lse", "o"): 2, ("delta",): 0, ("dk", "dv"): 2, ("dq",): 2, ("dk", "dq", "dv"): 4}
 #: Attention operands of one head-dimension row per token of a head; the others (lse, delta) one f32 per row.
 ATTENTION_ROWS = frozenset(("q", "k", "v", "o", "do", "dq", "dk", "dv"))
 #: Kernel kinds whose FLOPs the model counts; a kind added to the `kern` dialect later is counted by its
@@ -174,7 +175,7 @@ def _attention_cost(kernel: Operation) -> dict[str, Any]:
     sizes, d, dtype = attrs["sizes"], attrs["head_dim"], attrs["inputs"][0].dtype
     rows = sizes["batch"] * sizes["heads"] * sizes["seq"]
     moved = sum(rows * (d * DTYPE_BYTES[dtype] if name in ATTENTION_ROWS else 4) for name in attrs["operands"])
-    key = (attrs["direction"], attrs.get("step", 0))
+    key = tuple(sorted(attrs["operands"][len(attrs["inputs"]):]))
     pairs = sizes["batch"] * sizes["heads"] * sizes["seq"] ** 2
     computed = pairs * (sizes["seq"] + 1) // (2 * sizes["seq"]) if attrs["causal"] else pairs
     return {"kernel": attrs["sym_name"], "kind": "attention", "bytes": moved,

@@ -4,9 +4,10 @@
 launched, and which dtypes and shapes a target's templates take, is the
 target's answer. A target implements `KernelTarget` and registers itself with
 `register_target`; the passes look it up by name (their `target` option,
-`cuda` by default), so they import no backend. The CUDA target
-(`backends/cuda/target.py`) is the one registered today; the tools layer
-wires it in (`sexpgpu.targets.register_targets`), as `mlir-opt` registers
+`cuda` by default), so they import no backend. Two are built in: `cuda`
+(`backends/cuda/target.py`) and `cpu-c` (`backends/cpu_c/target.py`, the
+CUDA plan where a CPU task does not differ from a block); the tools layer
+wires them in (`sexpgpu.targets.register_targets`), as `mlir-opt` registers
 its dialects and passes in its `main`.
 
 The interface follows tinygrad's `Renderer` (the scheduler asks the device's

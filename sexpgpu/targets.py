@@ -17,9 +17,12 @@ from .passes.targets import register_target_module
 
 #: The module defining the CUDA target; importing it registers the target and its pass `emit-cuda`.
 _CUDA_TARGET = f"{__package__}.backends.cuda.target"
+#: The module defining the cpu-c target (the CUDA plan where a CPU task does not differ from a block).
+_CPU_C_TARGET = f"{__package__}.backends.cpu_c.target"
 
 
 def register_targets() -> None:
     """Register every built-in kernel target and its lowering passes (idempotent)."""
     register_target_module("cuda", _CUDA_TARGET)
+    register_target_module("cpu-c", _CPU_C_TARGET)
     register_pass_module("emit-cuda", _CUDA_TARGET)

@@ -1,13 +1,13 @@
 """C for the `attention` kernels: causal or full `softmax(scale·Q·Kᵀ)·V` and its backward, one head a task.
 
-The kernels `match-patterns` makes of an attention region (`passes/patterns/attention.py`; the contract is
-`backends/cuda/render/attention.py`'s): the forward writes O and the log-sum-exp of each query row's scores
-(`lse`, f32 [batch, heads, seq]); the backward is three steps, as on the GPU — `delta` (D = rowsum(dO·O)),
-`dkdv` and `dq` — each recomputing the probabilities P = exp(scale·q·k − lse) from Q and K, so nothing of
-size seq × seq is kept between steps. Every operand is read or written where its `placements` entry says
-([offset, batch stride, head stride, token stride] in elements of the buffer it is bound to; the head-dim
-stride is 1): Q, K and V are three column ranges of one packed projection, O and the gradients merged
-heads (or contiguous heads where the graph does not merge them).
+The kernels `match-patterns` makes of an attention region for the `cpu-c` target (`passes/patterns/
+attention.py`, `target.py`): the forward writes O and the log-sum-exp of each query row's scores (`lse`, f32
+[batch, heads, seq]); the backward is one step, dQ, dK and dV from Q, K, V, O, dO and lse, recomputing the
+probabilities P = exp(scale·q·k − lse) from Q and K block by block, so nothing of size seq × seq is kept
+(the GPU's three steps split it where a block does not hold a whole head). Every operand is read or
+written where its `placements` entry says ([offset, batch stride, head stride, token stride] in elements of
+the buffer it is bound to; the head-dim stride is 1): Q, K and V are three column ranges of one packed
+projection, O and the gradients merged heads (or contiguous heads where the graph does not merge them).
 
 On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule; each thread allocates one
 scratch block for its iterations), FlashAttention-2's structure without its tiles in shared memory: the
@@ -17,8 +17,8 @@ scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through
 (`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, multiply-adds
 fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
 probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
-P·V, dS·K, or dV += Pᵀ·dO and dK += dSᵀ·Q. A block reads the keys up to its last row's (rounded up to a
-vector) and masks the rest, so causal attention skips the key blocks above the diagonal; its rows past the
+P·V, or dV += Pᵀ·dO, dK += dSᵀ·Q and the block's dQ = dS·K. A block reads the keys up to its last row's
+(rounded up to a vector) and masks the rest, so causal attention skips the key blocks above the diagonal; its rows past the
 sequence repeat the last one and are never stored. Every sum runs in an order set by the sizes alone (over
 the head dimension, keys or a block's rows in ascending order, onto dK and dV block after block; a row's
 maximum and sum over 8 lanes in a fixed tree) within one task, so the results do not depend on the thread
@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) float sx_att_softmax_row(float* x, 
 
 
 class AttentionKernel:
-    """The body of one attention kernel's C function (a forward, or one step of the backward)."""
+    """The body of one attention kernel's C function (a forward or a backward)."""
 
     def __init__(self, kernel: Operation) -> None:
         attrs = kernel.attributes
@@ -167,7 +167,6 @@ class AttentionKernel:
         self.scale = float_literal(attrs["scale"])
         self.placements = {name: self._numbers(name, place) for name, place in attrs["placements"].items()}
         self.direction = attrs["direction"]
-        self.step = int(attrs.get("step", 0))
         if self.head_dim % VECTOR:
             raise UnsupportedKernel(f"kernel {self.symbol}: head dimension {self.head_dim} is not a multiple of {VECTOR}")
         #: The sequence rounded up to a vector: a head's transposed rows and its score rows are this long.
@@ -180,10 +179,7 @@ class AttentionKernel:
             raise UnsupportedKernel(f"kernel {self.symbol}: the placement of {name} is not numeric: {place}") from None
 
     def code(self) -> str:
-        if self.direction == "forward":
-            scratch, body = self._forward()
-        else:
-            scratch, body = (self._delta, self._dkdv, self._dq)[self.step]()
+        scratch, body = self._forward() if self.direction == "forward" else self._backward()
         T, D = self.seq, self.head_dim
         work = self.tasks * T * T * D
         # One scratch block a thread (not one a task), its arrays 64-byte aligned.
@@ -308,7 +304,7 @@ class AttentionKernel:
                 + f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r) {{\n"
                 f"                const long long limit = r >= rows ? -1 : {'i0 + r' if self.causal else f'{T - 1}LL'};\n"
                 f"                const float lse_r = limit < 0 ? 0.0f : a_lse[task * {T}LL + i0 + r];\n"
-                f"                const float delta_r = limit < 0 ? 0.0f : a_delta[task * {T}LL + i0 + r];\n"
+                "                const float delta_r = delta[r];\n"
                 f"                float* p_r = p + r * {Tp}LL;\n"
                 f"                float* ds_r = ds + r * {Tp}LL;\n"
                 "                #pragma omp simd\n"
@@ -341,30 +337,30 @@ class AttentionKernel:
         scratch = [("kt", D * Tp), ("s", QUERY_BLOCK * Tp), ("acc", QUERY_BLOCK * D), ("sums", QUERY_BLOCK), *wide]
         return scratch, self._columns("k", "kt") + rows + self._blocks(block)
 
-    def _delta(self) -> tuple[list[tuple[str, int]], str]:
-        T, D = self.seq, self.head_dim
-        return [], (f"        for (long long i = 0; i < {T}LL; ++i) {{\n"
-                    "            float sum = 0.0f;\n"
-                    f"            for (long long d = 0; d < {D}LL; ++d) sum += {self._ld('do', 'i', 'd')} * {self._ld('o', 'i', 'd')};\n"
-                    f"            a_delta[task * {T}LL + i] = sum;\n"
-                    "        }\n")
-
-    def _backward(self, *rows: str) -> tuple[list[tuple[str, int]], str]:
-        """The scratch and C every backward step starts with: K and V transposed, Q, dO and `rows` as rows."""
-        D, Tp = self.head_dim, self.padded
-        wide, c = self._rows("q", "do", *rows)
-        return ([("kt", D * Tp), ("vt", D * Tp), ("p", QUERY_BLOCK * Tp), ("ds", QUERY_BLOCK * Tp), *wide],
-                self._columns("k", "kt") + self._columns("v", "vt") + c)
-
-    def _dkdv(self) -> tuple[list[tuple[str, int]], str]:
+    def _backward(self) -> tuple[list[tuple[str, int]], str]:
+        """dQ, dK and dV of one head, block by block of query rows: the block's row sums D = dO·O, its P and
+        dS = P (dO·Vᵀ - D), then dV += Pᵀ·dO and dK += dSᵀ·Q over the keys it sees (onto f32 accumulators,
+        stored once the head is done) and its own rows of dQ = dS·K."""
         T, D, Tp = self.seq, self.head_dim, self.padded
-        # dV[j] += Σ_r P[r][j] dO[r] and dK[j] += Σ_r dS[r][j] Q[r] over the block's rows, keys j < span.
-        block = (self._probabilities()
+        wide, rows = self._rows("q", "do", "k")
+        deltas = (f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r) {{\n"
+                  "                float sum = 0.0f;\n"
+                  f"                if (r < rows) for (long long d = 0; d < {D}LL; ++d) "
+                  f"sum += {self._ld('do', 'i0 + r', 'd')} * {self._ld('o', 'i0 + r', 'd')};\n"
+                  "                delta[r] = sum;\n"
+                  "            }\n")
+        store_dq = (f"                for (long long d = 0; d < {D}LL; ++d) "
+                    f"{self._st('dq', 'i0 + r', 'd', f'acc[r * {D}LL + d] * {self.scale}')}\n")
+        block = (deltas
+                 + self._probabilities()
                  + f"            sx_att_product(span, {D}LL, rows, span, p, 1LL, {Tp}LL, do_rows + i0 * do_ld, do_ld, dv_acc, {D}LL, 1);\n"
-                 f"            sx_att_product(span, {D}LL, rows, span, ds, 1LL, {Tp}LL, q_rows + i0 * q_ld, q_ld, dk_acc, {D}LL, 1);\n")
-        scratch, start = self._backward()
-        return ([*scratch, ("dk_acc", Tp * D), ("dv_acc", Tp * D)],
-                start
+                 f"            sx_att_product(span, {D}LL, rows, span, ds, 1LL, {Tp}LL, q_rows + i0 * q_ld, q_ld, dk_acc, {D}LL, 1);\n"
+                 f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, ds, {Tp}LL, 1LL, k_rows, k_ld, acc, {D}LL, 0);\n"
+                 + self._rows_of_block(store_dq))
+        scratch = [("kt", D * Tp), ("vt", D * Tp), ("p", QUERY_BLOCK * Tp), ("ds", QUERY_BLOCK * Tp),
+                   ("dk_acc", Tp * D), ("dv_acc", Tp * D), ("acc", QUERY_BLOCK * D), ("delta", QUERY_BLOCK), *wide]
+        return (scratch,
+                self._columns("k", "kt") + self._columns("v", "vt") + rows
                 + f"        for (long long e = 0; e < {Tp * D}LL; ++e) {{ dk_acc[e] = 0.0f; dv_acc[e] = 0.0f; }}\n"
                 + self._blocks(block)
                 + f"        for (long long t = 0; t < {T}LL; ++t)\n"
@@ -372,16 +368,6 @@ class AttentionKernel:
                 f"                {self._st('dk', 't', 'd', f'dk_acc[t * {D}LL + d] * {self.scale}')}\n"
                 f"                {self._st('dv', 't', 'd', f'dv_acc[t * {D}LL + d]')}\n"
                 "            }\n")
-
-    def _dq(self) -> tuple[list[tuple[str, int]], str]:
-        D, Tp = self.head_dim, self.padded
-        store = (f"                for (long long d = 0; d < {D}LL; ++d) "
-                 f"{self._st('dq', 'i0 + r', 'd', f'acc[r * {D}LL + d] * {self.scale}')}\n")
-        block = (self._probabilities()
-                 + f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, ds, {Tp}LL, 1LL, k_rows, k_ld, acc, {D}LL, 0);\n"
-                 + self._rows_of_block(store))
-        scratch, start = self._backward("k")
-        return [*scratch, ("acc", QUERY_BLOCK * D)], start + self._blocks(block)
 
 
 def _indented(code: str) -> str:

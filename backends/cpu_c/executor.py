@@ -185,9 +185,9 @@ class CpuCExecutor(HostArrays, Executor):
     @classmethod
     def _planned(cls, module: Operation) -> CompilationUnit:
         """The module after `CPU_C_LOWERING`, in place: its kern plan and arenas, nothing compiled yet."""
-        # match-patterns and fuse plan with the CUDA target's capabilities (f32/bf16 storage, the same pattern
-        # families); the C renderer reads that plan and ignores its launch shapes.
-        from ..cuda import target  # noqa: F401  (registers it)
+        # match-patterns and fuse plan with the cpu-c target (the CUDA target's answers where a CPU task does
+        # not differ from a block); the C renderer reads that plan and ignores its launch shapes.
+        from . import target  # noqa: F401  (registers it)
 
         return run_pipeline(CompilationUnit(module=module), cls.lowering_pipeline)
 

@@ -106,7 +106,9 @@ def _softmax_stats(o: _Operands, x: str, cols: int) -> str:
 
 
 def _each(o: _Operands, cols: int, statements: str, indent: str = "        ") -> str:
-    return f"{indent}for (long long c = 0; c < {cols}LL; ++c) {{\n{statements}{indent}}}\n"
+    """`statements` for each column c of a row, vectorized: the elements are independent, and a row
+    program's outputs never overlap its inputs (`plan-buffers`), which the compiler cannot prove."""
+    return f"{indent}#pragma omp simd\n{indent}for (long long c = 0; c < {cols}LL; ++c) {{\n{statements}{indent}}}\n"
 
 
 # -- row families ---------------------------------------------------------------------------------------
@@ -192,6 +194,7 @@ def _norm_backward(o: _Operands, rows: int, cols: int, attrs: dict) -> str:
                                 depth=3).rstrip("\n"))
     lines += [f"            const float mean_g = {'sum_g / ' + str(cols) if layer else '0.0f'};",
               f"            const float mean_gx = sum_gx / {cols};",
+              "            #pragma omp simd",
               f"            for (long long c = 0; c < {cols}LL; ++c) {{",
               f"                const float dy_c = {o.ld('dy', 'base + c')};",
               f"                const float xhat = {xhat};",

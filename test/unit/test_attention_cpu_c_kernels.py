@@ -1,7 +1,7 @@
 """The cpu-c attention kernels (backends/cpu_c/attention.py) alone, against a float64 numpy reference.
 
-Each case builds the four `kern.kernel`s of one attention (the forward and the backward's `delta`, `dkdv`
-and `dq` steps) as `match-patterns` does, renders their C with the unit prelude, compiles it with the host
+Each case builds the two `kern.kernel`s of one attention (the forward and the backward's one step, as the
+`cpu-c` target plans it) as `match-patterns` does, renders their C with the unit prelude, compiles it with the host
 compiler and the project's flags, and runs them through ctypes in order: Q, K and V read from one packed
 [B, T, 3·H·d] projection, O, dO and the gradients in merged heads [B, T, H, d], as in tiny-gpt. Head
 dimensions 8, 32 and 40 (one vector, a whole tile, a tile and a vector), sequences 1, 7, 17 and 64 (the
@@ -24,6 +24,7 @@ from sexpgpu.backends.cpu_c.attention import ATTENTION_PRELUDE
 from sexpgpu.backends.cpu_c.compiler import compile_shared, missing_compiler
 from sexpgpu.backends.cpu_c.kernels import PRELUDE
 from sexpgpu.backends.cpu_c.render import kernel_code, kernel_function
+from sexpgpu.backends.cpu_c.target import ATTENTION_BACKWARD_READS, ATTENTION_BACKWARD_WRITES
 from sexpgpu.dialects.core import Operation, TensorType
 
 pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="no C compiler with OpenMP on this machine")
@@ -35,14 +36,12 @@ SEQS = (1, 7, 17, 64)
 #: Each step's (inputs, outputs), by operand name, in the order of the kernel's C parameters.
 STEPS = {
     ("forward", 0): (("q", "k", "v"), ("o", "lse")),
-    ("backward", 0): (("do", "o"), ("delta",)),
-    ("backward", 1): (("q", "k", "v", "lse", "do", "delta"), ("dk", "dv")),
-    ("backward", 2): (("q", "k", "v", "lse", "do", "delta"), ("dq",)),
+    ("backward", 0): (ATTENTION_BACKWARD_READS, ATTENTION_BACKWARD_WRITES),
 }
 
 
 class Attention:
-    """The four kernels of one attention, compiled into one shared object, and its buffers."""
+    """The two kernels of one attention, compiled into one shared object, and its buffers."""
 
     def __init__(self, head_dim: int, seq: int, causal: bool, dtype: str, seed: int = 0) -> None:
         self.head_dim, self.seq, self.causal, self.dtype = head_dim, seq, causal, dtype
@@ -64,7 +63,7 @@ class Attention:
         names = [*inputs, *outputs]
         stats = TensorType(shape=(BATCH, HEADS, self.seq), dtype="f32")
         tensor = TensorType(shape=(BATCH, self.seq, HEADS, self.head_dim), dtype=self.dtype)
-        types = [stats if name in ("lse", "delta") else tensor for name in names]
+        types = [stats if name == "lse" else tensor for name in names]
         return Operation("kern.kernel", attributes={
             "sym_name": f"attention_{direction}_{step}_{self.seq}_{'causal' if self.causal else 'full'}", "kind": "attention", "direction": direction,
             "step": step, "head_dim": self.head_dim, "causal": self.causal, "scale": self.scale,
@@ -90,8 +89,7 @@ class Attention:
         values = {"q": qkv, "k": qkv, "v": qkv, "do": do}
         for name in ("o", "dq", "dk", "dv"):
             values[name] = np.full(do.shape, np.nan, dtype=storage)
-        for name in ("lse", "delta"):
-            values[name] = np.full((BATCH, HEADS, self.seq), np.nan, dtype=np.float32)
+        values["lse"] = np.full((BATCH, HEADS, self.seq), np.nan, dtype=np.float32)
         for op, (inputs, outputs) in zip(self.kernels, STEPS.values()):
             call = getattr(self.library, f"sx_test_{kernel_function(op.attributes['sym_name'])}")
             call(*(ctypes.c_void_p(values[name].ctypes.data) for name in (*inputs, *outputs)))

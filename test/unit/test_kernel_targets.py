@@ -79,11 +79,35 @@ def test_the_cuda_target_answers_from_its_templates() -> None:
     assert all(nbytes > 0 for nbytes in launches.scratch.values())
 
 
+def test_the_cpu_c_target_runs_an_attention_backward_in_one_step() -> None:
+    """One CPU task holds a whole head: dQ, dK and dV come from one step, without the row sums D in
+    between (the CUDA target's three steps); the forward is CUDA's."""
+    cpu_c = kernel_target("cpu-c")
+    backward = PatternKernel("attention", "backward", 32, {"causal": True, "scale": 0.125, "placements": {}})
+    inputs, outputs = cpu_c.pattern_operands(backward)
+    launches = cpu_c.pattern_launches(backward, {}, {"batch": 2, "heads": 3, "seq": 64})
+    assert [(step.reads, step.writes, step.grid) for step in launches.steps] == [
+        (tuple(inputs), tuple(outputs), (6, 1, 1))]
+    assert set(outputs) == {"dq", "dk", "dv"} and "delta" not in inputs and not launches.scratch
+    assert len(CUDA_TARGET.pattern_launches(backward, {}, {"batch": 2, "heads": 3, "seq": 64}).steps) == 3
+    forward = PatternKernel("attention", "forward", 32, {"causal": True, "scale": 0.125, "placements": {}})
+    assert cpu_c.pattern_launches(forward, {}, {"batch": 2, "heads": 3, "seq": 64}) == CUDA_TARGET.pattern_launches(
+        forward, {}, {"batch": 2, "heads": 3, "seq": 64})
+
+
+@pytest.mark.parametrize("rows, partial_rows", [(1, 1), (64, 1), (65, 2), (8192, 128)])
+def test_the_cpu_c_target_sums_a_norm_backward_through_a_partial_row_a_chunk(rows, partial_rows) -> None:
+    layernorm = PatternKernel("row", "layernorm_backward", 768, {"weight": True, "bias": True})
+    launches = kernel_target("cpu-c").pattern_launches(layernorm, {}, {"rows": rows})
+    assert launches.steps == CUDA_TARGET.pattern_launches(layernorm, {}, {"rows": rows}).steps
+    assert launches.scratch == {"dweight_partials": partial_rows * 768 * 4, "dbias_partials": partial_rows * 768 * 4}
+
+
 def test_a_target_name_is_registered_once() -> None:
     with pytest.raises(ValueError, match="kernel target cuda registered twice"):
         register_target(CudaTarget())
 
 
 def test_an_unregistered_target_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match=r"no kernel target 'c'; registered: cuda, test-bf16-only"):
+    with pytest.raises(UsageError, match=r"no kernel target 'c'; registered: cpu-c, cuda, test-bf16-only"):
         kernel_target("c")
