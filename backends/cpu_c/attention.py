@@ -73,7 +73,7 @@ def _tile(vectors: int) -> str:
 #: the scores Q·Kᵀ (K transposed), P·V, dS·K, Pᵀ·dO and dSᵀ·Q. Multiply-adds fused where the host has FMA
 #: (`sx_fma8`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add elsewhere.
 #: `sx_att_transpose8`: an 8 × 8 block transposed (AVX shuffles where the host has AVX); `sx_att_softmax_row`:
-#: a score row's maximum and exp(x - max), vectorized.
+#: a score row's maximum and exp(x - max), vectorized; `sx_att_dot`: a row sum D = dO·O.
 ATTENTION_PRELUDE = (r"""
 /* The vector helpers are always inlined, so no call passes a vector (GCC warns, at the end of the unit, where
    the host has no AVX). */
@@ -125,23 +125,45 @@ static inline __attribute__((always_inline)) void sx_att_transpose8(const float*
         for (int j = 0; j < 8; ++j) dst[j * ldd + i] = src[i * lds + j];
 #endif
 }
-/* A score row's maximum m (NaN-propagating, as sx_fmax) and the sum of exp(x - m), each over 8 lanes of
-   vectors combined in a fixed tree (lane l with l + 4, then l + 2, then l + 1); x[j] becomes exp(x[j] - m). */
+/* Lane 0 of the maximum (NaN-propagating, as sx_fmax) or the sum of a vector's 8 lanes in a fixed tree:
+   lane l with l + 4, then l + 2, then l + 1, by shuffles (a scalar tree of sx_fmax branches on every pair). */
 typedef int sx_i8 __attribute__((vector_size(32)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define SX_SHUFFLE8(v, a, b, c, d, e, f, g, h) __builtin_shufflevector(v, v, a, b, c, d, e, f, g, h)
+#else
+#define SX_SHUFFLE8(v, a, b, c, d, e, f, g, h) __builtin_shuffle(v, (sx_i8){a, b, c, d, e, f, g, h})
+#endif
+static inline __attribute__((always_inline)) sx_v8 sx_vmax8(sx_v8 a, sx_v8 b) {
+    const sx_i8 larger = (a > b) | (a != a);
+    return (sx_v8)(((sx_i8)a & larger) | ((sx_i8)b & ~larger));
+}
+static inline __attribute__((always_inline)) float sx_att_fold_max8(sx_v8 x) {
+    x = sx_vmax8(x, SX_SHUFFLE8(x, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = sx_vmax8(x, SX_SHUFFLE8(x, 2, 3, 0, 1, 6, 7, 4, 5));
+    return sx_vmax8(x, SX_SHUFFLE8(x, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
+static inline __attribute__((always_inline)) float sx_att_fold_sum8(sx_v8 x) {
+    x += SX_SHUFFLE8(x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += SX_SHUFFLE8(x, 2, 3, 0, 1, 6, 7, 4, 5);
+    return (x + SX_SHUFFLE8(x, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
+/* A score row's maximum m and the sum of exp(x - m), each over 8 lanes of vectors folded as above; x[j]
+   becomes exp(x[j] - m). */
 static inline __attribute__((always_inline)) float sx_att_softmax_row(float* x, long long span, float* sum) {
     sx_v8 top = (sx_v8){0} - INFINITY, total = {0};
-    for (long long j = 0; j < span; j += 8) {
-        const sx_v8 v = *(const sx_v8*)(x + j);
-        const sx_i8 larger = (v > top) | (v != v);
-        top = (sx_v8)(((sx_i8)v & larger) | ((sx_i8)top & ~larger));
-    }
-    const float m = sx_fmax(sx_fmax(sx_fmax(top[0], top[4]), sx_fmax(top[2], top[6])),
-                            sx_fmax(sx_fmax(top[1], top[5]), sx_fmax(top[3], top[7])));
+    for (long long j = 0; j < span; j += 8) top = sx_vmax8(*(const sx_v8*)(x + j), top);
+    const float m = sx_att_fold_max8(top);
     #pragma omp simd
     for (long long j = 0; j < span; ++j) x[j] = sx_expf(x[j] - m);
     for (long long j = 0; j < span; j += 8) total += *(const sx_v8*)(x + j);
-    *sum = ((total[0] + total[4]) + (total[2] + total[6])) + ((total[1] + total[5]) + (total[3] + total[7]));
+    *sum = sx_att_fold_sum8(total);
     return m;
+}
+/* The dot product of two f32 rows of n elements (a multiple of 8), in 8 lanes folded as above. */
+static inline __attribute__((always_inline)) float sx_att_dot(const float* a, const float* b, long long n) {
+    sx_v8 total = {0};
+    for (long long j = 0; j < n; j += 8) total = sx_fma8(*(const sx_v8*)(a + j), *(const sx_v8*)(b + j), total);
+    return sx_att_fold_sum8(total);
 }
 """)
 
@@ -328,7 +350,8 @@ class AttentionKernel:
                    "                const float m = sx_att_softmax_row(s_r, span, &l);\n"
                    "                sums[r] = l;\n"
                    f"                a_lse[task * {T}LL + i0 + r] = m + logf(l);\n")
-        store = (f"                for (long long d = 0; d < {D}LL; ++d) "
+        store = ("                #pragma omp simd\n"
+                 f"                for (long long d = 0; d < {D}LL; ++d) "
                  f"{self._st('o', 'i0 + r', 'd', f'acc[r * {D}LL + d] / sums[r]')}\n")
         block = (self._scores("q", "kt", "s")
                  + self._rows_of_block(softmax)
@@ -342,14 +365,12 @@ class AttentionKernel:
         dS = P (dO·Vᵀ - D), then dV += Pᵀ·dO and dK += dSᵀ·Q over the keys it sees (onto f32 accumulators,
         stored once the head is done) and its own rows of dQ = dS·K."""
         T, D, Tp = self.seq, self.head_dim, self.padded
-        wide, rows = self._rows("q", "do", "k")
-        deltas = (f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r) {{\n"
-                  "                float sum = 0.0f;\n"
-                  f"                if (r < rows) for (long long d = 0; d < {D}LL; ++d) "
-                  f"sum += {self._ld('do', 'i0 + r', 'd')} * {self._ld('o', 'i0 + r', 'd')};\n"
-                  "                delta[r] = sum;\n"
-                  "            }\n")
-        store_dq = (f"                for (long long d = 0; d < {D}LL; ++d) "
+        wide, rows = self._rows("q", "do", "k", "o")
+        deltas = (f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r)\n"
+                  f"                delta[r] = r < rows ? sx_att_dot(do_rows + (i0 + r) * do_ld, o_rows + (i0 + r) * o_ld, "
+                  f"{D}LL) : 0.0f;\n")
+        store_dq = ("                #pragma omp simd\n"
+                    f"                for (long long d = 0; d < {D}LL; ++d) "
                     f"{self._st('dq', 'i0 + r', 'd', f'acc[r * {D}LL + d] * {self.scale}')}\n")
         block = (deltas
                  + self._probabilities()
@@ -363,11 +384,13 @@ class AttentionKernel:
                 self._columns("k", "kt") + self._columns("v", "vt") + rows
                 + f"        for (long long e = 0; e < {Tp * D}LL; ++e) {{ dk_acc[e] = 0.0f; dv_acc[e] = 0.0f; }}\n"
                 + self._blocks(block)
-                + f"        for (long long t = 0; t < {T}LL; ++t)\n"
+                + f"        for (long long t = 0; t < {T}LL; ++t) {{\n"
+                "            #pragma omp simd\n"
                 f"            for (long long d = 0; d < {D}LL; ++d) {{\n"
                 f"                {self._st('dk', 't', 'd', f'dk_acc[t * {D}LL + d] * {self.scale}')}\n"
                 f"                {self._st('dv', 't', 'd', f'dv_acc[t * {D}LL + d]')}\n"
-                "            }\n")
+                "            }\n"
+                "        }\n")
 
 
 def _indented(code: str) -> str:
