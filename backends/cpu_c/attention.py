@@ -12,17 +12,17 @@ projection, O and the gradients merged heads (or contiguous heads where the grap
 On a CPU one (batch, head) is one iteration of an OpenMP loop (static schedule; each thread allocates one
 scratch block for its iterations), FlashAttention-2's structure without its tiles in shared memory: the
 head's K and V are transposed into f32 scratch ([head_dim][seq], zero-padded to a multiple of 8 keys; f32 by
-8 × 8 blocks in vector registers), Q, dO, V and K rows are read in place where they are f32 (widened into
+8 × 8 blocks in vector registers), Q, dO, V, K and O rows are read in place where they are f32 (widened into
 scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through one product microkernel
 (`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, multiply-adds
 fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
 probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
 P·V, or dV += Pᵀ·dO, dK += dSᵀ·Q and the block's dQ = dS·K. A block reads the keys up to its last row's
-(rounded up to a vector) and masks the rest, so causal attention skips the key blocks above the diagonal; its rows past the
-sequence repeat the last one and are never stored. Every sum runs in an order set by the sizes alone (over
-the head dimension, keys or a block's rows in ascending order, onto dK and dV block after block; a row's
-maximum and sum over 8 lanes in a fixed tree) within one task, so the results do not depend on the thread
-count; all math is f32 and each output is rounded once when stored.
+(rounded up to a vector) and masks the rest, so causal attention skips the key blocks above the diagonal;
+its rows past the sequence repeat the last one and are never stored. Every sum runs in an order set by the
+sizes alone (over the head dimension, keys or a block's rows in ascending order, onto dK and dV block after
+block; a row's maximum and sum over 8 lanes in a fixed tree) within one task, so the results do not depend
+on the thread count; all math is f32 and each output is rounded once when stored.
 """
 
 from __future__ import annotations
@@ -312,6 +312,12 @@ class AttentionKernel:
                 f"{body}"
                 "            }\n")
 
+    def _store_rows(self, name: str, value: str) -> str:
+        """Each row r of a block that is in the sequence stored into `name`: `value` (C of r and d) at each d."""
+        return self._rows_of_block("                #pragma omp simd\n"
+                                   f"                for (long long d = 0; d < {self.head_dim}LL; ++d) "
+                                   f"{self._st(name, 'i0 + r', 'd', value)}\n")
+
     def _scores(self, rows: str, columns: str, into: str) -> str:
         """into[r][j] = <rows>[i0 + r] · <columns>[:, j] for the block's rows and keys below span."""
         D, Tp = self.head_dim, self.padded
@@ -350,13 +356,10 @@ class AttentionKernel:
                    "                const float m = sx_att_softmax_row(s_r, span, &l);\n"
                    "                sums[r] = l;\n"
                    f"                a_lse[task * {T}LL + i0 + r] = m + logf(l);\n")
-        store = ("                #pragma omp simd\n"
-                 f"                for (long long d = 0; d < {D}LL; ++d) "
-                 f"{self._st('o', 'i0 + r', 'd', f'acc[r * {D}LL + d] / sums[r]')}\n")
         block = (self._scores("q", "kt", "s")
                  + self._rows_of_block(softmax)
                  + f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, s, {Tp}LL, 1LL, v_rows, v_ld, acc, {D}LL, 0);\n"
-                 + self._rows_of_block(store))
+                 + self._store_rows('o', f'acc[r * {D}LL + d] / sums[r]'))
         scratch = [("kt", D * Tp), ("s", QUERY_BLOCK * Tp), ("acc", QUERY_BLOCK * D), ("sums", QUERY_BLOCK), *wide]
         return scratch, self._columns("k", "kt") + rows + self._blocks(block)
 
@@ -369,15 +372,12 @@ class AttentionKernel:
         deltas = (f"            for (long long r = 0; r < {QUERY_BLOCK}LL; ++r)\n"
                   f"                delta[r] = r < rows ? sx_att_dot(do_rows + (i0 + r) * do_ld, o_rows + (i0 + r) * o_ld, "
                   f"{D}LL) : 0.0f;\n")
-        store_dq = ("                #pragma omp simd\n"
-                    f"                for (long long d = 0; d < {D}LL; ++d) "
-                    f"{self._st('dq', 'i0 + r', 'd', f'acc[r * {D}LL + d] * {self.scale}')}\n")
         block = (deltas
                  + self._probabilities()
                  + f"            sx_att_product(span, {D}LL, rows, span, p, 1LL, {Tp}LL, do_rows + i0 * do_ld, do_ld, dv_acc, {D}LL, 1);\n"
                  f"            sx_att_product(span, {D}LL, rows, span, ds, 1LL, {Tp}LL, q_rows + i0 * q_ld, q_ld, dk_acc, {D}LL, 1);\n"
                  f"            sx_att_product({QUERY_BLOCK}LL, {D}LL, keys, rows, ds, {Tp}LL, 1LL, k_rows, k_ld, acc, {D}LL, 0);\n"
-                 + self._rows_of_block(store_dq))
+                 + self._store_rows('dq', f'acc[r * {D}LL + d] * {self.scale}'))
         scratch = [("kt", D * Tp), ("vt", D * Tp), ("p", QUERY_BLOCK * Tp), ("ds", QUERY_BLOCK * Tp),
                    ("dk_acc", Tp * D), ("dv_acc", Tp * D), ("acc", QUERY_BLOCK * D), ("delta", QUERY_BLOCK), *wide]
         return (scratch,
