@@ -47,10 +47,19 @@ def set_threads(threads: int) -> None:
     interpreter's matmuls would leave a thread spinning through most of the next side's step, taking a core
     from it (measured: a 2-thread cpu-c step 118 ms right after an interpreter step, 50 ms otherwise).
     `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles, OpenBLAS's minimum) puts them to sleep at once, so the sides'
-    steps do not run into each other. Set it yourself to override."""
+    steps do not run into each other. Set it yourself to override.
+
+    OpenMP's idle threads do the same: PyTorch's libgomp polls 300,000 times after each parallel loop (about
+    8 ms where a pause takes 26 ns, as on the 2-core Zen 4 this was measured on), so after a torch step its
+    worker took the second core through most of the next cpu-c step (the MLP of cpu_train_mlp.py at 2
+    threads: cpu-c 107 ms a step between torch steps, 59 ms alone). `GOMP_SPINCOUNT` at cpu-c's own
+    `SPIN_COUNT` gives every libgomp in the process (torch's and cpu-c's) the same short poll."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    from sexpgpu.backends.cpu_c.compiler import SPIN_COUNT
+
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
 
 def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, float], float]:
