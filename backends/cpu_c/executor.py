@@ -127,9 +127,10 @@ class CpuCExecutor(HostArrays, Executor):
 
     def stacking(self, microbatches: int, variants: Mapping[int, Sequence[Operation]]) -> int:
         """The largest degree k among `variants` whose `train_stacked/<k>` activations (its arena) take at
-        most `STACKING_MEMORY_SHARE` of the memory the host has available: one call then runs k microbatches,
-        its GEMMs k times taller (as the CUDA executor stacks by device memory). The chosen degree's graphs
-        (the stacked one and its accumulating twin) are lowered together, and compiled once it fits."""
+        most `STACKING_MEMORY_SHARE` of the memory the host has available: one call then runs k microbatches
+        (as the CUDA executor stacks by device memory), each copy's GEMMs one microbatch tall. The chosen
+        degree's graphs (the stacked one and its accumulating twin) are lowered together, and compiled once
+        it fits."""
         budget = available_memory() * STACKING_MEMORY_SHARE
         for k in sorted(variants, reverse=True):
             if k <= 1 or microbatches % k:
