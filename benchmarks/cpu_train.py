@@ -28,6 +28,7 @@ ctypes), from a separately compiled, profiled copy of the graphs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -97,6 +98,20 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     return dict(by_op), dict(by_line), total
 
 
+def finite(train_step):
+    """`train_step` (a `Trainer`'s, steps counted from 1 as `sexpgpu run` counts them: step 0 would divide
+    by AdamW's bias correction 1 - beta^0 = 0), stopping the benchmark if a step's loss is not finite: a
+    side training on NaN would be timed on other arithmetic than PyTorch's."""
+
+    def step_fn(step: int):
+        result = train_step(step)
+        if not math.isfinite(result[0]):
+            raise SystemExit(f"the loss of step {step} is {result[0]}: the timings would not be comparable")
+        return result
+
+    return step_fn
+
+
 def torch_stepper(exp, trainer_params, loader, threads: int):
     import torch
 
@@ -129,10 +144,10 @@ def print_cpu_c_profile(exp, threads: int, steps: int) -> None:
 
     executor = open_device("cpu-c", "benchmark", threads=threads, profiled=True)
     trainer = Trainer(exp, Path("/nonexistent-benchmark-record"), None, executor=executor)
-    trainer.train_step(0)
+    trainer.train_step(1)
     before = executor.profile()
     started = time.process_time()
-    for step in range(1, steps + 1):
+    for step in range(2, steps + 2):
         trainer.train_step(step)
     per_step = (time.process_time() - started) / steps
     steps_seconds = {label: (seconds - before.get(label, 0.0)) / steps for label, seconds in executor.profile().items()}
@@ -176,9 +191,9 @@ def main() -> int:
     compile_seconds = time.perf_counter() - compile_started
     initial = {path: value.copy() for path, value in trainer.params.items()}
     tokens = trainer.tokens_per_step()
-    steppers = {"interpreter": trainer.train_step, "cpu-c": compiled.train_step}
+    steppers = {"interpreter": finite(trainer.train_step), "cpu-c": finite(compiled.train_step)}
     for step_fn in steppers.values():
-        step_fn(0)
+        step_fn(1)
     # The peak so far is the training drivers' alone: torch and the op-by-op profile come later.
     training_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
