@@ -532,7 +532,11 @@ class Trainer(DeviceSetup):
         return {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
 
     def train_step(self, step: int) -> tuple[float, dict[str, float], dict[str, int | float], dict[str, np.ndarray]]:
-        """One optimizer step; returns the loss, metrics, counters and the observations."""
+        """Optimizer step `step` (counted from 1, as `run` counts: AdamW's bias correction 1 - beta^step is
+        0 at step 0, which would make every parameter NaN); returns the loss, metrics, counters and the
+        observations."""
+        if step < 1:
+            raise ValueError(f"training steps count from 1, not {step}")
         ex = self.executor
         diagnosed = any(step % int(op.attributes["every"]) == 0 for op in self.plan.diagnostic_ops)
         calls: list[tuple[Any, int]] = []

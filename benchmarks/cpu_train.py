@@ -99,9 +99,9 @@ def op_profile(trainer, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
 
 
 def finite(train_step):
-    """`train_step` (a `Trainer`'s, steps counted from 1 as `sexpgpu run` counts them: step 0 would divide
-    by AdamW's bias correction 1 - beta^0 = 0), stopping the benchmark if a step's loss is not finite: a
-    side training on NaN would be timed on other arithmetic than PyTorch's."""
+    """A `Trainer`'s `train_step` that stops the benchmark if a step's loss is not finite: a side training on
+    NaN would be timed on other arithmetic than PyTorch's (the warm-up once ran step 0, which made every
+    parameter NaN; `train_step` now refuses it)."""
 
     def step_fn(step: int):
         result = train_step(step)

@@ -268,3 +268,17 @@ def test_every_graph_the_driver_runs_is_one_the_compiler_made_and_stacking_picks
     unstacked = TrainingPlan.compile(TINY, "smoke", ["microbatches=4", "steps=3"])
     assert not any("train_stacked" in name for name in unstacked.graphs)
     assert unstacked.fingerprint == plan.fingerprint
+
+
+def test_training_steps_count_from_one(tmp_path):
+    """Step 0 is refused before any graph runs: AdamW's bias correction divides by 1 - beta^0 = 0, so it would
+    leave every parameter NaN (benchmarks/cpu_train.py once warmed up with it)."""
+    plan = training_plan(TINY, "smoke", [], False)
+    trainer = Trainer(plan, tmp_path / "run", None, reporter_stream=io.StringIO())
+    before = {path: value.copy() for path, value in trainer.params.items()}
+    with pytest.raises(ValueError, match="training steps count from 1, not 0"):
+        trainer.train_step(0)
+    for path, value in trainer.params.items():
+        assert np.array_equal(value, before[path]), path
+    loss = trainer.train_step(1)[0]
+    assert np.isfinite(loss) and all(np.isfinite(value).all() for value in trainer.params.values())
