@@ -16,8 +16,10 @@ fast-math, so NaNs and infinities behave as numpy's).
   column sum) a block is a run of consecutive kept indices, one run per thread and at least `KEPT_BLOCK`,
   whose sums walk the rows once in order, the inner loop over contiguous columns: each result is a
   sequential f32 sum (64-bit for integers) over the same rows whatever the blocks. A reduction to one value
-  of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel and then the chunk sums in
-  order: the same result for any thread count, and a more accurate one than one long sum.
+  of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel, each in `LANES` lanes, and
+  then the chunk sums in order: the same result for any thread count, and a more accurate one than one
+  long sum. Where a loop decomposes its index into several axes, a read or write row-major over them uses
+  the index itself (`index_code`), so the compiler sees a contiguous access.
 - guards: an operand read through a concat's or pad's range of the innermost axis splits that loop into
   segments where each such operand is read unguarded or not at all (`FusedKernel._segments`), so the loop
   vectorizes without masked loads.
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...dialects.core import Operation, TensorType, Value
-from ...dialects.index_maps import Expr
+from ...dialects.index_maps import Expr, Term
 
 #: A loop over at least this many elements is split among OpenMP threads (below it, a parallel region's
 #: start costs more than the work).
@@ -202,19 +204,52 @@ def parameters(kernel: Operation) -> list[str]:
     return params
 
 
-def index_code(expr: Expr, gathered: dict[Any, str] | None = None) -> str:
-    """C for an index expression of the domain variables `i0, i1, ...` (64-bit)."""
-    parts = [f"{expr.const}LL"] if expr.const or not (expr.terms or expr.gathers) else []
-    for t in expr.terms:
+#: Axes a loop decomposed (row-major) from one flat index, and that index's C name.
+Flat = tuple[str, Sequence[int]]
+
+
+def index_code(expr: Expr, gathered: dict[Any, str] | None = None, flat: Flat | None = None) -> str:
+    """C for an index expression of the domain variables `i0, i1, ...` (64-bit). Where the loop decomposed
+    `flat`'s axes from one index and `expr` reads them as one run (its coefficients on them the row-major
+    strides times one factor), they are read as that index times the factor: a compiler sees an access
+    contiguous along the loop (and vectorizes it with loads, not gathers), which `% size` and `/ size`
+    hide from it."""
+    terms, run = _flat_run(expr, flat)
+    parts = [f"{expr.const}LL"] if expr.const or not (terms or expr.gathers or run) else []
+    for t in terms:
         var = f"i{t.axis}" if t.div == 1 else f"(i{t.axis} / {t.div}LL)"
         if t.mod:
             var = f"({var} % {t.mod}LL)"
         parts.append(var if t.coeff == 1 else f"{var} * {t.coeff}LL")
+    if run:
+        parts.append(run)
     for g in expr.gathers:
         assert gathered is not None
         name = gathered[g.source]
         parts.append(name if g.coeff == 1 else f"{name} * {g.coeff}LL")
     return " + ".join(parts)
+
+
+def _flat_run(expr: Expr, flat: Flat | None) -> tuple[tuple[Term, ...], str | None]:
+    """`expr`'s terms without those `flat`'s index replaces, and the C of that index's part (None if it
+    replaces none)."""
+    if flat is None or len(flat[1]) < 2:  # one axis is the flat index itself
+        return expr.terms, None
+    name, axes = flat[0], [a for a in flat[1] if expr.sizes[a] > 1]  # an axis of one element adds nothing
+    on_axes = {t.axis: t for t in expr.terms if t.axis in axes}
+    if (len(on_axes) != len(axes) or sum(t.axis in axes for t in expr.terms) != len(axes)
+            or any(t.div != 1 or t.mod for t in on_axes.values())):
+        return expr.terms, None
+    factor = on_axes[axes[-1]].coeff
+    strides = _row_major([expr.sizes[a] for a in axes])
+    if any(on_axes[a].coeff != factor * stride for a, stride in zip(axes, strides)):
+        return expr.terms, None
+    return tuple(t for t in expr.terms if t.axis not in axes), name if factor == 1 else f"{name} * {factor}LL"
+
+
+def row_major_expr(domain: Sequence[int]) -> Expr:
+    """The row-major index of the whole domain, as an index expression."""
+    return Expr(tuple(domain), tuple(Term(d, 1, 0, stride) for d, stride in enumerate(_row_major(domain))))
 
 
 def parallel_for(count: str | int, work: int) -> str:
@@ -228,28 +263,32 @@ def combined(which: str, integral: bool, a: str, b: str) -> str:
     return f"{a} + {b}" if which == "sum" else f"sx_{'i' if integral else 'f'}{which}({a}, {b})"
 
 
-def lane_loops(w: Writer, index: str, count: int, lanes: Sequence[tuple[str, str, str, str, bool]],
+def lane_loops(w: Writer, index: str, count: int | str, lanes: Sequence[tuple[str, str, str, str, bool]],
                element: Callable[[Writer], None]) -> None:
-    """A reduction over `count` elements in `LANES` lanes: element `index` goes to lane `l = index % LANES`
-    of each array in `lanes` ((name, C type, identity, sum/max/min, integral)); `element` writes the C of one
-    element (using `index` and `l`). The lanes are then combined pairwise in a fixed tree into `name[0]`.
-    The order depends on `count` alone, so not on the thread count, and the loop over a vector of lanes
-    vectorizes where one sequential f32 sum cannot without changing its order."""
+    """A reduction over `count` elements (a number, or a C expression) in `LANES` lanes: element `index` goes
+    to lane `l = index % LANES` of each array in `lanes` ((name, C type, identity, sum/max/min, integral));
+    `element` writes the C of one element (using `index` and `l`). The lanes are then combined pairwise in a
+    fixed tree into `name[0]`. The order depends on `count` alone, so not on the thread count, and the loop
+    over a vector of lanes vectorizes where one sequential f32 sum cannot without changing its order."""
     for name, ctype, identity, _, _ in lanes:
         w.line(f"{ctype} {name}[{LANES}];")
         w.line(f"for (int l = 0; l < {LANES}; ++l) {name}[l] = {identity};")
-    full = count // LANES * LANES
+    if isinstance(count, int):
+        full, tail = (f"{count // LANES * LANES}LL" if count >= LANES else None), count % LANES
+    else:
+        w.line(f"const long long {index}_count = {count}, {index}_full = {index}_count / {LANES} * {LANES};")
+        full, tail = f"{index}_full", f"{index}_count - {index}_full"
     if full:
-        w.open(f"for (long long {index}_l = 0; {index}_l < {full}LL; {index}_l += {LANES})")
+        w.open(f"for (long long {index}_l = 0; {index}_l < {full}; {index}_l += {LANES})")
         w.line("#pragma omp simd")
         w.open(f"for (int l = 0; l < {LANES}; ++l)")
         w.line(f"const long long {index} = {index}_l + l;")
         element(w)
         w.close()
         w.close()
-    if count > full:
-        w.open(f"for (int l = 0; l < {count - full}; ++l)")
-        w.line(f"const long long {index} = {full}LL + l;")
+    if tail:
+        w.open(f"for (int l = 0; l < {tail}; ++l)")
+        w.line(f"const long long {index} = {full or '0LL'} + l;")
         element(w)
         w.close()
     w.open(f"for (int width = {LANES // 2}; width > 0; width /= 2)")
@@ -328,6 +367,8 @@ class FusedKernel:
         self.count = 0
         #: Inputs whose guards hold (True) or fail (False) in the whole loop segment being written.
         self.known_guards: dict[int, bool] = {}
+        #: The flat index the loop being written decomposes into domain indices, where it has one.
+        self.flat: Flat | None = None
 
     def code(self) -> str:
         w = Writer()
@@ -356,9 +397,9 @@ class FusedKernel:
             w.line(f"const {vt} a{k} = {literal(attribute['fill'], t.dtype)};")
             return
         for guard_attribute, size in attribute.get("guards", ()) if known is None else ():
-            guard = index_code(Expr.from_attribute(self.domain, guard_attribute))
+            guard = index_code(Expr.from_attribute(self.domain, guard_attribute), flat=self.flat)
             checks.append(f"((unsigned long long)({guard}) < {size}ULL)")
-        read = load(t.dtype, f"in{k}", index_code(self.maps[k], gathered))
+        read = load(t.dtype, f"in{k}", index_code(self.maps[k], gathered, self.flat))
         if not checks:
             w.line(f"const {vt} a{k} = {read};")
             return
@@ -426,6 +467,10 @@ class FusedKernel:
 
     def _store(self, w: Writer, k: int, value: str, at: str) -> None:
         w.line(store(self.outputs[k].dtype, f"out{k}", at, value))
+
+    def _full_index(self) -> str:
+        """C of the current element's row-major index in the whole domain (an output stored over it)."""
+        return index_code(row_major_expr(self.domain), flat=self.flat)
 
     # -- element-wise -----------------------------------------------------------------------------------
 
@@ -548,8 +593,6 @@ class FusedKernel:
         reduced_count = math.prod(domain[d] for d in reduced)
         prologue, epilogue, after = self._levels()
         reductions = [op for op in self.body if op.name == "kern.reduce"]
-        strides = _row_major(domain)
-        full_flat = " + ".join(f"i{d} * {strides[d]}LL" for d in range(len(domain))) or "0"
         accumulators = []
         for op in reductions:
             integral = op.operands[0].type.dtype not in FLOATS
@@ -583,7 +626,7 @@ class FusedKernel:
         if chunked:
             self._chunked_sums(w, accumulators, reductions, prologue, reduced, reduced_count)
         elif not column_wise and reduced_count >= LANES:
-            self._lane_sums(w, accumulators, reductions, prologue, reduced, kept, full_outputs, full_flat, after)
+            self._lane_sums(w, accumulators, reductions, prologue, reduced, kept, full_outputs, after)
         else:
             w.open(f"for (long long r = 0; r < {reduced_count}LL; ++r)")
             _decompose(w, "r", reduced, domain, "r_")
@@ -598,6 +641,7 @@ class FusedKernel:
                 else:
                     w.open(f"for (long long k = k0 > {low}LL ? k0 : {low}LL; k < (k1 < {high}LL ? k1 : {high}LL); ++k)")
                 _decompose(w, "k", kept, domain, "k_")
+                self.flat = ("k", kept)
                 for k in loaded:
                     self._load(w, k)
                 self._ops(w, prologue)
@@ -605,7 +649,8 @@ class FusedKernel:
                     self._accumulate(w, j, accumulators[j], op, "k - k0")
                 for k, v in enumerate(self.yielded):
                     if v not in after:
-                        self._store(w, k, self._arg(v), full_flat)
+                        self._store(w, k, self._arg(v), self._full_index())
+                self.flat = None
                 w.close()
             self.known_guards = {}
             w.close()
@@ -638,13 +683,14 @@ class FusedKernel:
 
     def _lane_sums(self, w: Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
                    prologue: list[Operation], reduced: list[int], kept: list[int], full_outputs: list[Value | int],
-                   full_flat: str, after: set[Value]) -> None:
+                   after: set[Value]) -> None:
         """One kept index, its reduced ones in `LANES` lanes (`lane_reduction`), into `acc<j>[0]`."""
         domain = self.domain
 
         def element(w: Writer) -> None:
             _decompose(w, "r", reduced, domain, "r_")
             _decompose(w, "k0", kept, domain, "k_")
+            self.flat = ("r", reduced)
             for k in self._inputs_of(prologue + reductions, full_outputs):
                 self._load(w, k)
             self._ops(w, prologue)
@@ -652,7 +698,8 @@ class FusedKernel:
                 self._accumulate(w, j, accumulators[j], op, "l", "lanes")
             for k, v in enumerate(self.yielded):
                 if v not in after:
-                    self._store(w, k, self._arg(v), full_flat)
+                    self._store(w, k, self._arg(v), self._full_index())
+            self.flat = None
 
         count = math.prod(domain[d] for d in reduced)
         lanes = [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
@@ -663,38 +710,37 @@ class FusedKernel:
 
     def _chunked_sums(self, w: Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
                       prologue: list[Operation], reduced: list[int], count: int) -> None:
-        """One kept index, many reduced ones: fixed chunks reduced in parallel, then combined in order."""
+        """One kept index, many reduced ones: fixed chunks of `SCALAR_CHUNK`, each reduced in `LANES` lanes
+        (`lane_loops`) in parallel, then the chunks' results combined in order."""
         chunks = -(-count // SCALAR_CHUNK)
         for j, (vt, _, _) in enumerate(accumulators):
             w.line(f"{vt}* part{j} = ({vt}*)malloc({chunks} * sizeof({vt}));")
         w.line(parallel_for(chunks, count))
         w.open(f"for (long long c = 0; c < {chunks}LL; ++c)")
-        for j, (vt, which, integral) in enumerate(accumulators):
-            w.line(f"{vt} sum{j}[1] = {{{(_INT_IDENTITY if integral else FLOAT_IDENTITY)[which]}}};")
-        w.line(f"const long long end = (c + 1) * {SCALAR_CHUNK}LL < {count}LL ? (c + 1) * {SCALAR_CHUNK}LL : {count}LL;")
-        w.open(f"for (long long r = c * {SCALAR_CHUNK}LL; r < end; ++r)")
-        _decompose(w, "r", reduced, self.domain, "r_")
-        for k in self._inputs_of(prologue + reductions):
-            self._load(w, k)
+        w.line(f"const long long start = c * {SCALAR_CHUNK}LL;")
+
+        def element(w: Writer) -> None:
+            w.line("const long long r = start + j;")
+            _decompose(w, "r", reduced, self.domain, "r_")
+            self.flat = ("r", reduced)
+            for k in self._inputs_of(prologue + reductions):
+                self._load(w, k)
+            self._ops(w, prologue)
+            for j, op in enumerate(reductions):
+                self._accumulate(w, j, accumulators[j], op, "l", "lanes")
+            self.flat = None
+
         saved = dict(self.names)
-        self._ops(w, prologue)
-        for j, op in enumerate(reductions):
-            vt, which, integral = accumulators[j]
-            value = f"({vt}){self._arg(op.operands[0])}"
-            if which == "sum":
-                w.line(f"sum{j}[0] += {value};")
-            else:
-                w.line(f"sum{j}[0] = sx_{'i' if integral else 'f'}{which}(sum{j}[0], {value});")
+        lanes = [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
+                 for j, (vt, which, integral) in enumerate(accumulators)]
+        lane_loops(w, "j", f"(start + {SCALAR_CHUNK}LL < {count}LL ? {SCALAR_CHUNK}LL : {count}LL - start)", lanes,
+                   element)
         self.names = saved
-        w.close()
         for j in range(len(accumulators)):
-            w.line(f"part{j}[c] = sum{j}[0];")
+            w.line(f"part{j}[c] = lanes{j}[0];")
         w.close()
         for j, (_, which, integral) in enumerate(accumulators):
             w.open(f"for (long long c = 0; c < {chunks}LL; ++c)")
-            if which == "sum":
-                w.line(f"acc{j}[0] += part{j}[c];")
-            else:
-                w.line(f"acc{j}[0] = sx_{'i' if integral else 'f'}{which}(acc{j}[0], part{j}[c]);")
+            w.line(f"acc{j}[0] = {combined(which, integral, f'acc{j}[0]', f'part{j}[c]')};")
             w.close()
             w.line(f"free(part{j});")

@@ -118,6 +118,41 @@ def test_a_norm_with_fewer_rows_than_partial_rows_trains_as_the_interpreter(tmp_
         assert relative(want, got) <= 1e-5, f"step {step}: loss {got} on cpu-c, {want} on cpu"
 
 
+ODD_NET = """
+(defloader data :source (npy-file "points.npz") :fields ((x [5 17] f32) (target [5 301] f32)) :batch 3)
+(defmodule net ()
+  (let ((lin (sub lin (linear 17 301)))
+        (shift (param shift [5 301] :init (normal 0.1))))
+    (fn (x) (+ (lin x) shift))))
+(defmodel model (net))
+(defn objective (batch) (mean (* (model (get batch :x)) (get batch :target))))
+(defoptimizer opt (sgd :lr 0.1 :clip 0.001))
+(defrun :steps 4 :loader data :objective objective :optimizer opt)
+"""
+
+
+def test_sums_over_odd_sizes_train_as_the_interpreter(tmp_path):
+    # The weight's 17 x 301 = 5117 elements are a full chunk of the clip's norm and one of 1021 (63 vectors
+    # of lanes and 13 more), and the clip scales every SGD step by that norm; `shift`'s gradient sums the
+    # batch over two kept axes read as one flat run, and so does the bias's over 5 x 301 rows.
+    points = np.random.default_rng(7).standard_normal((3, 6, 5, 301)).astype(np.float32)
+    np.savez(tmp_path / "points.npz", x=points[0, :, :, :17], target=points[1])
+    (tmp_path / "net.sx").write_text(ODD_NET)
+    runs = {}
+    for device in ("cpu", "cpu-c"):
+        plan = TrainingPlan.compile(str(tmp_path / "net.sx"), None, [])
+        trainer = Trainer(plan, Path("/nonexistent-record"), None, executor=open_device(device, "test"))
+        first = {path: np.array(trainer.executor.download(value)) for path, value in trainer.params.items()}
+        losses = [trainer.train_step(step)[0] for step in range(1, 5)]
+        # The steps are small beside the parameters, so the test compares what they moved.
+        runs[device] = losses, {path: np.array(trainer.executor.download(value)) - first[path]
+                                for path, value in trainer.params.items()}
+    for step, (want, got) in enumerate(zip(runs["cpu"][0], runs["cpu-c"][0]), 1):
+        assert relative(want, got) <= 1e-5, f"step {step}: loss {got} on cpu-c, {want} on cpu"
+    for path, want in runs["cpu"][1].items():
+        np.testing.assert_allclose(runs["cpu-c"][1][path], want, rtol=1e-4, atol=1e-9, err_msg=path)
+
+
 def test_stacked_microbatches_train_as_the_interpreter():
     # The spec GPT's 4 microbatches in one call of @train_stacked/4: the interpreter's losses.
     sets = ["layers=1"]
