@@ -317,6 +317,11 @@ class Writer:
         return "\n".join(self.lines) + "\n"
 
 
+def _lane_arrays(accumulators: Sequence[tuple[str, str, bool]]) -> list[tuple[str, str, str, str, bool]]:
+    """The `lane_loops` arrays `lanes<j>` of a reduction's accumulators ((C type, sum/max/min, integral))."""
+    return [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
+            for j, (vt, which, integral) in enumerate(accumulators)]
+
 def _decompose(w: Writer, flat: str, axes: Sequence[int], domain: Sequence[int], prefix: str) -> None:
     """Declare `i<axis>` for `axes` (row-major) from the linear index `flat`."""
     if not axes:
@@ -702,9 +707,7 @@ class FusedKernel:
             self.flat = None
 
         count = math.prod(domain[d] for d in reduced)
-        lanes = [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
-                 for j, (vt, which, integral) in enumerate(accumulators)]
-        lane_loops(w, "r", count, lanes, element)
+        lane_loops(w, "r", count, _lane_arrays(accumulators), element)
         for j in range(len(accumulators)):
             w.line(f"acc{j}[0] = lanes{j}[0];")
 
@@ -731,10 +734,8 @@ class FusedKernel:
             self.flat = None
 
         saved = dict(self.names)
-        lanes = [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
-                 for j, (vt, which, integral) in enumerate(accumulators)]
-        lane_loops(w, "j", f"(start + {SCALAR_CHUNK}LL < {count}LL ? {SCALAR_CHUNK}LL : {count}LL - start)", lanes,
-                   element)
+        lane_loops(w, "j", f"(start + {SCALAR_CHUNK}LL < {count}LL ? {SCALAR_CHUNK}LL : {count}LL - start)",
+                   _lane_arrays(accumulators), element)
         self.names = saved
         for j in range(len(accumulators)):
             w.line(f"part{j}[c] = lanes{j}[0];")
