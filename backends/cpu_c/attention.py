@@ -14,9 +14,10 @@ scratch block for its iterations), FlashAttention-2's structure without its tile
 head's K and V are transposed into f32 scratch ([head_dim][seq], zero-padded to a multiple of 8 keys; f32 by
 8 × 8 blocks in vector registers), Q, dO, V, K and O rows are read in place where they are f32 (widened into
 scratch where they are bf16), then blocks of `QUERY_BLOCK` query rows go through one product microkernel
-(`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, multiply-adds
-fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ of a block (keys in vectors), its
-probabilities from the row's maximum and sum (the forward) or the saved log-sum-exp (the backward), then
+(`sx_att_product` in `ATTENTION_PRELUDE`: tiles of `TILE_SUMS` vectors of sums in registers, 16-lane vectors
+first where the host has AVX-512, multiply-adds fused where the host has FMA): the scores Q·Kᵀ and dP = dO·Vᵀ
+of a block (keys in vectors), its probabilities from the row's maximum and sum (the forward) or the saved
+log-sum-exp (the backward), then
 P·V, or dV += Pᵀ·dO, dK += dSᵀ·Q and the block's dQ = dS·K. A block reads the keys up to its last row's
 (rounded up to a vector) and masks the rest, so causal attention skips the key blocks above the diagonal;
 its rows past the sequence repeat the last one and are never stored. Every sum runs in an order set by the
@@ -45,25 +46,39 @@ TILE_SUMS = 8
 #: measured 10-15% faster than 4 × 2 on the attention kernels of tiny-gpt (head dimension 32: one tile
 #: spans a row of O, dQ, dK or dV).
 TILE_WIDTHS = (4, 2, 1)
+#: Where the host has AVX-512 (and FMA), the columns go first through tiles of 16-lane vectors (4 rows × 2
+#: vectors, then 8 × 1: 8 sums each), the rest through the 8-lane ones: a core with two 512-bit FMA pipes
+#: (Intel's) multiplies twice as many lanes an instruction. Each sum is the same chain of fused multiply-adds
+#: in order of k in either width, so the results do not depend on which tiles a column falls in.
+WIDE_VECTOR = 16
+WIDE_TILE_WIDTHS = (2, 1)
 
 
-def _tile(vectors: int) -> str:
+def _tile(vectors: int, lanes: int = VECTOR) -> str:
     """C of one register tile of `sx_att_product`: `TILE_SUMS // vectors` rows from m0 by `vectors` vectors
-    from n0, summed over k in order, each sum in a register."""
+    of `lanes` f32 from n0, summed over k in order, each sum in a register."""
     rows = range(TILE_SUMS // vectors)
     cells = [(r, v) for r in rows for v in range(vectors)]
+    vector = f"sx_v{lanes}"
     at = "c + (m0 + {r}) * ldc + n0 + {o}"
     return ("".join(f"            const float* a{r} = a + sx_imin(m0 + {r}, rows - 1) * am;\n" for r in rows)
-            + "".join(f"            sx_v8 c{r}{v} = accumulate ? *(const sx_v8*)({at.format(r=r, o=v * VECTOR)}) "
-                      ": (sx_v8){0};\n" for r, v in cells)
+            + "".join(f"            {vector} c{r}{v} = accumulate ? *(const {vector}*)({at.format(r=r, o=v * lanes)}) "
+                      f": ({vector}){{0}};\n" for r, v in cells)
             + "            for (long long k = 0; k < K; ++k) {\n"
-            + "".join(f"                const sx_v8 b{v} = *(const sx_v8*)(b + k * ldb + n0 + {v * VECTOR});\n"
+            + "".join(f"                const {vector} b{v} = *(const {vector}*)(b + k * ldb + n0 + {v * lanes});\n"
                       for v in range(vectors))
-            + "".join(f"                const sx_v8 a{r}k = sx_splat8(a{r}[k * ak]);\n"
-                      + "".join(f"                c{r}{v} = sx_fma8(a{r}k, b{v}, c{r}{v});\n" for v in range(vectors))
+            + "".join(f"                const {vector} a{r}k = sx_splat{lanes}(a{r}[k * ak]);\n"
+                      + "".join(f"                c{r}{v} = sx_fma{lanes}(a{r}k, b{v}, c{r}{v});\n" for v in range(vectors))
                       for r in rows)
             + "            }\n"
-            + "".join(f"            *(sx_v8*)({at.format(r=r, o=v * VECTOR)}) = c{r}{v};\n" for r, v in cells))
+            + "".join(f"            *({vector}*)({at.format(r=r, o=v * lanes)}) = c{r}{v};\n" for r, v in cells))
+
+
+def _tiles(widths: tuple[int, ...], lanes: int) -> str:
+    """The loops of `sx_att_product` over the columns left from n0 in tiles of `widths` vectors of `lanes`."""
+    return "".join(f"    for (; n0 + {width * lanes} <= N; n0 += {width * lanes})\n"
+                   f"        for (long long m0 = 0; m0 < M; m0 += {TILE_SUMS // width}) {{\n{_tile(width, lanes)}        }}\n"
+                   for width in widths)
 
 
 #: The microkernels of every attention kernel, at the start of each unit of kernels (`render.py`).
@@ -71,7 +86,8 @@ def _tile(vectors: int) -> str:
 #: TILE_SUMS) and n < N (a multiple of VECTOR), each sum in order of k: rows of a from `rows` on read row
 #: rows - 1 (their results are not used), so a head is read in place without padding; the strides make it
 #: the scores Q·Kᵀ (K transposed), P·V, dS·K, Pᵀ·dO and dSᵀ·Q. Multiply-adds fused where the host has FMA
-#: (`sx_fma8`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add elsewhere.
+#: (`sx_fma8`, `sx_fma16`; the kernels' other math stays unfused, `-ffp-contract=off`), a multiply and an add
+#: elsewhere; 16-lane tiles first where the host has AVX-512 (`WIDE_VECTOR`).
 #: `sx_att_transpose8`: an 8 × 8 block transposed (AVX shuffles where the host has AVX); `sx_att_softmax_row`:
 #: a score row's maximum and exp(x - max), vectorized; `sx_att_dot`: a row sum D = dO·O.
 ATTENTION_PRELUDE = (r"""
@@ -90,14 +106,21 @@ static inline __attribute__((always_inline)) sx_v8 sx_fma8(sx_v8 a, sx_v8 b, sx_
 static inline __attribute__((always_inline)) sx_v8 sx_fma8(sx_v8 a, sx_v8 b, sx_v8 c) { return a * b + c; }
 #endif
 static inline __attribute__((always_inline)) sx_v8 sx_splat8(float x) { return (sx_v8){x, x, x, x, x, x, x, x}; }
+#if defined(__AVX512F__) && defined(__FMA__)
+#define SX_ATT_WIDE 1
+typedef float sx_v16 __attribute__((vector_size(64), aligned(4), __may_alias__));
+static inline __attribute__((always_inline)) sx_v16 sx_fma16(sx_v16 a, sx_v16 b, sx_v16 c) {
+    return (sx_v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+static inline __attribute__((always_inline)) sx_v16 sx_splat16(float x) { return (sx_v16)_mm512_set1_ps(x); }
+#endif
 static inline __attribute__((always_inline)) void sx_att_product(long long M, long long N, long long K, long long rows,
                                                                 const float* a, long long am, long long ak,
                                                                 const float* b, long long ldb,
                                                                 float* c, long long ldc, int accumulate) {
     long long n0 = 0;
-""" + "".join(f"    for (; n0 + {width * VECTOR} <= N; n0 += {width * VECTOR})\n"
-              f"        for (long long m0 = 0; m0 < M; m0 += {TILE_SUMS // width}) {{\n{_tile(width)}        }}\n"
-              for width in TILE_WIDTHS) + r"""}
+#if defined(SX_ATT_WIDE)
+""" + _tiles(WIDE_TILE_WIDTHS, WIDE_VECTOR) + "#endif\n" + _tiles(TILE_WIDTHS, VECTOR) + r"""}
 /* dst[j * ldd + i] = src[i * lds + j] for i, j < 8. */
 static inline __attribute__((always_inline)) void sx_att_transpose8(const float* src, long long lds, float* dst, long long ldd) {
 #if defined(__AVX__)

@@ -20,6 +20,7 @@ import functools
 import ml_dtypes
 import numpy as np
 import pytest
+from sexpgpu.backends.cpu_c import compiler
 from sexpgpu.backends.cpu_c.attention import ATTENTION_PRELUDE
 from sexpgpu.backends.cpu_c.compiler import compile_shared, missing_compiler
 from sexpgpu.backends.cpu_c.kernels import PRELUDE
@@ -120,13 +121,15 @@ class Attention:
                 "dk": merged(self.scale * ds.transpose(0, 1, 3, 2) @ q), "dv": merged(p.transpose(0, 1, 3, 2) @ do)}
 
 
-def compile_attentions(attentions: list[Attention]) -> None:
+def compile_attentions(attentions: list[Attention]) -> ctypes.CDLL:
     """Build the kernels of `attentions` into one shared object (one compile) and give it to each."""
     unit = (PRELUDE + ATTENTION_PRELUDE + "".join(attention.code() for attention in attentions)
-            + "void sx_test_threads(int n) {\n#ifdef _OPENMP\n    omp_set_num_threads(n);\n#endif\n}\n")
+            + "void sx_test_threads(int n) {\n#ifdef _OPENMP\n    omp_set_num_threads(n);\n#endif\n}\n"
+            + "int sx_test_wide(void) {\n#ifdef SX_ATT_WIDE\n    return 1;\n#else\n    return 0;\n#endif\n}\n")
     library, _ = compile_shared([unit], use_cache=False)
     for attention in attentions:
         attention.library = library
+    return library
 
 
 @functools.cache
@@ -159,3 +162,17 @@ def test_attention_kernels_do_not_depend_on_the_thread_count(causal):
     one, two = attention.run(threads=1), attention.run(threads=2)
     for name in one:
         assert np.array_equal(one[name], two[name]), name
+
+
+def test_wide_tiles_give_the_narrow_tiles_bits(monkeypatch):
+    """Head dimension 40 and 64 keys: rows of sums through 16-lane tiles (2 vectors, then 1) and the 8-lane
+    tail, against the same kernels compiled without AVX-512 (8-lane tiles only)."""
+    wide = Attention(40, 64, True, "f32", seed=7)
+    if not compile_attentions([wide]).sx_test_wide():
+        pytest.skip("the host compiler targets no AVX-512 here: the kernels have 8-lane tiles only")
+    narrow = Attention(40, 64, True, "f32", seed=7)
+    monkeypatch.setattr(compiler, "FLAGS", (*compiler.FLAGS, "-mno-avx512f"))
+    assert not compile_attentions([narrow]).sx_test_wide()
+    got, want = wide.run(threads=1), narrow.run(threads=1)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
