@@ -7,15 +7,17 @@ says the same of its CUDA); math is the C library's single-precision functions (
 fast-math, so NaNs and infinities behave as numpy's).
 
 - `pointwise`, `multi_tensor_update`, `copy`: a loop over the domain's outer axes (one flat index, split
-  among OpenMP threads when the domain is large) around a loop over its innermost axis that the compiler
-  vectorizes (`#pragma omp simd`: an output may be written over an input it reads through the identity map,
+  among OpenMP threads when the domain is large; with fewer than `CHUNKED_BELOW` outer indices, as a flat
+  update over every parameter, also cut into runs of `INNER_CHUNK` along the innermost axis, which a single
+  outer index left to one thread) around a loop over its innermost axis that the compiler vectorizes (`#pragma omp simd`: an output may be written over an input it reads through the identity map,
   which a vector of lanes reads before it writes).
 - `reduction`: the kept indices in blocks (one block an OpenMP iteration). When the reduced axes are
   innermost a block is one kept index (a row) and its reduced indices go to `LANES` lanes in row-major order,
   combined in a fixed tree (`lane_loops`): vectorized, in an order set by the sizes alone. Otherwise (a
-  column sum) a block is a run of consecutive kept indices, one run per thread and at least `KEPT_BLOCK`,
-  whose sums walk the rows once in order, the inner loop over contiguous columns: each result is a
-  sequential f32 sum (64-bit for integers) over the same rows whatever the blocks. A reduction to one value
+  column sum) the rows are cut into fixed runs (`row_runs`), each walked in order into its own partial row
+  by one thread, its inner loop over contiguous columns, and the partial rows are added in order: each
+  result is the same f32 sum (64-bit for integers) for any thread count, and the threads read disjoint
+  rows (given runs of columns each, they read every row's cache lines and ran no faster than one). A reduction to one value
   of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel, each in `LANES` lanes, and
   then the chunk sums in order: the same result for any thread count, and a more accurate one than one
   long sum. Where a loop decomposes its index into several axes, a read or write row-major over them uses
@@ -44,10 +46,17 @@ from ...dialects.index_maps import Expr, Term
 #: A loop over at least this many elements is split among OpenMP threads (below it, a parallel region's
 #: start costs more than the work).
 PARALLEL_FROM = 1 << 17
-#: The fewest consecutive kept indices one iteration of a column-wise reduction owns.
-KEPT_BLOCK = 64
+#: A column sum (reduced axes outer) cuts its rows into at most this many runs (a power of two, by the
+#: sizes alone) of at least `ROW_RUN` rows, each summed into its own partial row by one thread.
+ROW_RUNS = 16
+ROW_RUN = 64
 #: The lanes of a reduction along a row (`lane_loops`): two AVX2 vectors of f32.
 LANES = 16
+#: An element-wise loop whose outer axes give fewer iterations than this (a flat update over every
+#: parameter has one) is also cut along its innermost axis, into runs of `INNER_CHUNK` elements, so its
+#: threads share it (each element is computed alike wherever the cuts fall).
+CHUNKED_BELOW = 64
+INNER_CHUNK = 16384
 #: A reduction to one value of more elements than this adds chunks of this many in parallel.
 SCALAR_CHUNK = 4096
 
@@ -250,6 +259,15 @@ def _flat_run(expr: Expr, flat: Flat | None) -> tuple[tuple[Term, ...], str | No
 def row_major_expr(domain: Sequence[int]) -> Expr:
     """The row-major index of the whole domain, as an index expression."""
     return Expr(tuple(domain), tuple(Term(d, 1, 0, stride) for d, stride in enumerate(_row_major(domain))))
+
+
+def row_runs(rows: int) -> int:
+    """How many runs a column sum cuts its `rows` into: a power of two up to `ROW_RUNS`, each at least
+    `ROW_RUN` rows (the sizes alone decide, so the sums do not depend on the thread count)."""
+    runs = 1
+    while runs < ROW_RUNS and rows // (2 * runs) >= ROW_RUN:
+        runs *= 2
+    return runs
 
 
 def parallel_for(count: str | int, work: int) -> str:
@@ -498,8 +516,13 @@ class FusedKernel:
         for k in loads_at[0]:
             self._load(w, k)
         self._ops(w, ops_at[0])
-        w.line(parallel_for(outer, total))
-        w.open(f"for (long long o = 0; o < {outer}LL; ++o)")
+        chunks = -(-domain[last] // INNER_CHUNK) if outer < CHUNKED_BELOW and total >= PARALLEL_FROM else 1
+        w.line(parallel_for(outer * chunks, total))
+        if chunks == 1:
+            w.open(f"for (long long o = 0; o < {outer}LL; ++o)")
+        else:
+            w.open(f"for (long long oc = 0; oc < {outer * chunks}LL; ++oc)")
+            w.line(f"const long long o = oc / {chunks}LL, c0 = oc % {chunks}LL * {INNER_CHUNK}LL;")
         _decompose(w, "o", list(range(last)), domain, "o_")
         for k in loads_at[1]:
             self._load(w, k)
@@ -507,7 +530,11 @@ class FusedKernel:
         for low, high, known in self._segments(last, loads_at[2]):
             self.known_guards = known
             w.line("#pragma omp simd")
-            w.open(f"for (long long i{last} = {low}; i{last} < {high}LL; ++i{last})")
+            if chunks == 1:
+                w.open(f"for (long long i{last} = {low}; i{last} < {high}LL; ++i{last})")
+            else:
+                w.open(f"for (long long i{last} = sx_imax({low}LL, c0); i{last} < sx_imin({high}LL, c0 + {INNER_CHUNK}LL); "
+                       f"++i{last})")
             self._element(w, f"o * {domain[last]}LL + i{last}", ops_at[2], loads_at[2])
             w.close()
         self.known_guards = {}
@@ -606,59 +633,36 @@ class FusedKernel:
         chunked = kept_count == 1 and reduced_count > SCALAR_CHUNK and not full_outputs
         column_wise = bool(kept) and max(kept) == len(domain) - 1 and kept_count > 1
         work = kept_count * reduced_count
+        runs = row_runs(reduced_count) if column_wise and work >= PARALLEL_FROM else 1
         if column_wise:
-            # One block of consecutive kept indices per thread (at least `KEPT_BLOCK`), so each walks whole
-            # runs of the rows; a kept index's sum is over the same rows in the same order in any block.
-            w.line(f"const long long threads = {work}LL >= {PARALLEL_FROM}LL ? sx_threads() : 1;")
-            w.line(f"long long block = ((({kept_count}LL + threads - 1) / threads) + 15) / 16 * 16;")
-            w.line(f"if (block < {min(KEPT_BLOCK, kept_count)}LL) block = {min(KEPT_BLOCK, kept_count)}LL;")
-            w.line(f"const long long blocks = ({kept_count}LL + block - 1) / block;")
-            block, blocks = "block", "blocks"
+            self._partial_rows(w, accumulators, reductions, prologue, reduced, kept, full_outputs, after, runs)
+            block, blocks = f"{kept_count}LL", "1LL"
         else:
             block, blocks = "1LL", f"{kept_count}LL"
-        if not chunked:  # a chunked sum is parallel inside (OpenMP does not nest)
-            w.line(parallel_for(blocks, work))
+            if not chunked:  # a chunked sum is parallel inside (OpenMP does not nest)
+                w.line(parallel_for(blocks, work))
         w.open(f"for (long long kb = 0; kb < {blocks}; ++kb)")
         w.line(f"const long long k0 = kb * {block};")
         w.line(f"const long long k1 = k0 + {block} < {kept_count}LL ? k0 + {block} : {kept_count}LL;")
         for j, (vt, op, integral) in enumerate(accumulators):
             identity = (_INT_IDENTITY if integral else FLOAT_IDENTITY)[op]
             if column_wise:
-                w.line(f"{vt}* acc{j} = ({vt}*)malloc(block * sizeof({vt}));")
+                w.line(f"{vt}* acc{j} = part{j};")
+                w.open(f"for (long long run = 1; run < {runs}LL; ++run)")
+                w.line("#pragma omp simd")
+                w.line(f"for (long long k = 0; k < {kept_count}LL; ++k) "
+                       f"acc{j}[k] = {combined(op, integral, f'acc{j}[k]', f'part{j}[run * {kept_count}LL + k]')};")
+                w.close()
             else:
                 w.line(f"{vt} acc{j}[1];")
-            w.line(f"for (long long b = 0; b < {block}; ++b) acc{j}[b] = {identity};")
+                w.line(f"for (long long b = 0; b < {block}; ++b) acc{j}[b] = {identity};")
         if chunked:
             self._chunked_sums(w, accumulators, reductions, prologue, reduced, reduced_count)
         elif not column_wise and reduced_count >= LANES:
             self._lane_sums(w, accumulators, reductions, prologue, reduced, kept, full_outputs, after)
-        else:
-            w.open(f"for (long long r = 0; r < {reduced_count}LL; ++r)")
-            _decompose(w, "r", reduced, domain, "r_")
-            loaded = self._inputs_of(prologue + reductions, full_outputs)
-            segments = self._segments(kept[0], loaded) if column_wise and len(kept) == 1 else [(0, kept_count, {})]
-            for low, high, known in segments:
-                self.known_guards = known
-                if column_wise:
-                    w.line("#pragma omp simd")
-                if len(segments) == 1:
-                    w.open("for (long long k = k0; k < k1; ++k)")
-                else:
-                    w.open(f"for (long long k = k0 > {low}LL ? k0 : {low}LL; k < (k1 < {high}LL ? k1 : {high}LL); ++k)")
-                _decompose(w, "k", kept, domain, "k_")
-                self.flat = ("k", kept)
-                for k in loaded:
-                    self._load(w, k)
-                self._ops(w, prologue)
-                for j, op in enumerate(reductions):
-                    self._accumulate(w, j, accumulators[j], op, "k - k0")
-                for k, v in enumerate(self.yielded):
-                    if v not in after:
-                        self._store(w, k, self._arg(v), self._full_index())
-                self.flat = None
-                w.close()
-            self.known_guards = {}
-            w.close()
+        elif not column_wise:
+            self._walk_rows(w, "0LL", f"{reduced_count}LL", accumulators, reductions, prologue, reduced, kept,
+                            full_outputs, after, False)
         w.open("for (long long k = k0; k < k1; ++k)")
         _decompose(w, "k", kept, domain, "k_")
         for d in reduced:
@@ -676,9 +680,65 @@ class FusedKernel:
                 self._store(w, k, self._arg(v), "k")
         self.names = saved
         w.close()
+        w.close()
         if column_wise:
             for j in range(len(accumulators)):
-                w.line(f"free(acc{j});")
+                w.line(f"free(part{j});")
+
+    def _partial_rows(self, w: Writer, accumulators: list[tuple[str, str, bool]], reductions: list[Operation],
+                      prologue: list[Operation], reduced: list[int], kept: list[int],
+                      full_outputs: list[Value | int], after: set[Value], runs: int) -> None:
+        """A column sum's rows in `runs` fixed runs, one an OpenMP iteration, each reduced in order into its
+        partial row `part<j>[run][kept]` (the full outputs stored on the way)."""
+        kept_count = math.prod(self.domain[d] for d in kept)
+        reduced_count = math.prod(self.domain[d] for d in reduced)
+        rows = -(-reduced_count // runs)
+        for j, (vt, _, _) in enumerate(accumulators):
+            w.line(f"{vt}* part{j} = ({vt}*)malloc({runs * kept_count}LL * sizeof({vt}));")
+        w.line(parallel_for(runs, kept_count * reduced_count))
+        w.open(f"for (long long run = 0; run < {runs}LL; ++run)")
+        w.line(f"const long long k0 = 0, k1 = {kept_count}LL;")
+        for j, (vt, op, integral) in enumerate(accumulators):
+            w.line(f"{vt}* acc{j} = part{j} + run * {kept_count}LL;")
+            w.line(f"for (long long k = 0; k < {kept_count}LL; ++k) acc{j}[k] = "
+                   f"{(_INT_IDENTITY if integral else FLOAT_IDENTITY)[op]};")
+        self._walk_rows(w, f"run * {rows}LL", f"sx_imin((run + 1) * {rows}LL, {reduced_count}LL)", accumulators,
+                        reductions, prologue, reduced, kept, full_outputs, after, True)
+        w.close()
+
+    def _walk_rows(self, w: Writer, start: str, end: str, accumulators: list[tuple[str, str, bool]],
+                   reductions: list[Operation], prologue: list[Operation], reduced: list[int], kept: list[int],
+                   full_outputs: list[Value | int], after: set[Value], column_wise: bool) -> None:
+        """The reduced indices from `start` to `end` in order, each adding its kept indices k0 .. k1 into
+        `acc<j>[k - k0]`; a column sum's inner loop over contiguous kept indices is vectorized, cut into
+        segments where a concat's or pad's operand is read."""
+        domain = self.domain
+        kept_count = math.prod(domain[d] for d in kept)
+        w.open(f"for (long long r = {start}; r < {end}; ++r)")
+        _decompose(w, "r", reduced, domain, "r_")
+        loaded = self._inputs_of(prologue + reductions, full_outputs)
+        segments = self._segments(kept[0], loaded) if column_wise and len(kept) == 1 else [(0, kept_count, {})]
+        for low, high, known in segments:
+            self.known_guards = known
+            if column_wise:
+                w.line("#pragma omp simd")
+            if len(segments) == 1:
+                w.open("for (long long k = k0; k < k1; ++k)")
+            else:
+                w.open(f"for (long long k = k0 > {low}LL ? k0 : {low}LL; k < (k1 < {high}LL ? k1 : {high}LL); ++k)")
+            _decompose(w, "k", kept, domain, "k_")
+            self.flat = ("k", kept)
+            for k in loaded:
+                self._load(w, k)
+            self._ops(w, prologue)
+            for j, op in enumerate(reductions):
+                self._accumulate(w, j, accumulators[j], op, "k - k0")
+            for k, v in enumerate(self.yielded):
+                if v not in after:
+                    self._store(w, k, self._arg(v), self._full_index())
+            self.flat = None
+            w.close()
+        self.known_guards = {}
         w.close()
 
     def _accumulate(self, w: Writer, j: int, accumulator: tuple[str, str, bool], op: Operation, at: str,
