@@ -123,6 +123,15 @@ def torch_stepper(exp, trainer_params, loader, threads: int):
     return lambda step: model.train_step([loader.next_batch()["tokens"] for _ in range(exp.microbatches)], step)
 
 
+def torch_blas() -> str:
+    """The BLAS PyTorch's matrix products use (MKL in its x86 wheels), from its build configuration."""
+    import torch
+
+    settings = torch.__config__.show()
+    return next((part.split("=", 1)[1] for part in settings.replace(",", " ").split() if part.startswith("BLAS_INFO=")),
+                "unknown")
+
+
 def alternating(steppers: dict[str, object], steps: int) -> dict[str, tuple[float, float]]:
     """Median wall and CPU seconds of a step of each side, their steps taken in turn (one warm-up step each)."""
     walls: dict[str, list[float]] = defaultdict(list)
@@ -176,6 +185,8 @@ def main() -> int:
     args = parser.parse_args()
     set_threads(args.threads)
 
+    from sexpgpu.backends.cpu_c.blas import blas_config
+    from sexpgpu.backends.cpu_c.compiler import host_cpu
     from sexpgpu.backends.devices import open_device
     from sexpgpu.backends.loaders import Loader
     from sexpgpu.backends.training import Trainer, TrainingPlan
@@ -209,6 +220,8 @@ def main() -> int:
     print(f"model: {name} {' '.join(args.sets)}  ({exp.parameter_count:,} parameters, "
           f"{tokens} tokens per step, batch {trainer.train_loader.batch} x {exp.microbatches} microbatches, "
           f"{args.threads} threads)")
+    print(f"host: {host_cpu().rsplit(' ', 1)[0]}, {os.cpu_count()} cores; cpu-c GEMMs: {blas_config()}"
+          + (f"; torch's BLAS: {torch_blas()}" if torch_available else ""))
     cache = "warm" if compiled.executor.experiment.from_cache else "cold"
     print(f"cpu-c lowering and compile of every graph: {compile_seconds:.1f} s (C cache {cache}); "
           f"{compiled.stack} microbatch{'es' if compiled.stack > 1 else ''} a call")

@@ -51,6 +51,20 @@ def numpy_blas() -> Blas | None:
     return None
 
 
+def blas_config() -> str:
+    """OpenBLAS's description of its build and of the kernels it picked for this CPU (its `get_config`)."""
+    blas = numpy_blas()
+    if blas is None:
+        return "no OpenBLAS"
+    library = ctypes.CDLL(blas.library)
+    for name in ("scipy_openblas_get_config64_", "openblas_get_config64_"):
+        if hasattr(library, name):
+            getter = getattr(library, name)
+            getter.restype = ctypes.c_char_p
+            return " ".join(getter().decode().split())
+    return Path(blas.library).name
+
+
 def missing_blas() -> str | None:
     if numpy_blas() is not None:
         return None
