@@ -29,6 +29,8 @@ _STACK_SIZES = (_THREAD_STACK_BYTES, 256 << 20, 64 << 20, 16 << 20)
 #: take none; a recursion through C takes some (`=` on nested lists: about 280 bytes a frame,
 #: measured on CPython 3.11), so this leaves a margin of seven.
 _STACK_BYTES_PER_FRAME = 2 << 10
+#: How long the calling thread waits on the evaluation thread between checks for signals.
+_JOIN_SLICE_SECONDS = 0.05
 
 
 def run_deep(body: Callable[[], Any]) -> Any:
@@ -56,7 +58,11 @@ def run_deep(body: Callable[[], Any]) -> Any:
     with handed_over():
         try:
             thread = _start_deep_thread(target, old_limit)
-            thread.join()
+            # Joined in slices: a SIGINT that lands just before an untimed join blocks runs only the
+            # C-level handler, and the Python one waits for this thread's next bytecode for ever
+            # (reproduced under load: the Ctrl-C test hung in `join` with no handler run).
+            while thread.is_alive():
+                thread.join(_JOIN_SLICE_SECONDS)
         finally:
             # Only once the thread has ended: the limit is the process's, and lowering it under
             # a thread deep in its recursion aborts the process.
