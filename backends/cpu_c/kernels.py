@@ -9,16 +9,18 @@ fast-math, so NaNs and infinities behave as numpy's).
 - `pointwise`, `multi_tensor_update`, `copy`: a loop over the domain's outer axes (one flat index, split
   among OpenMP threads when the domain is large; with fewer than `CHUNKED_BELOW` outer indices, as a flat
   update over every parameter, also cut into runs of `INNER_CHUNK` along the innermost axis, which a single
-  outer index left to one thread) around a loop over its innermost axis that the compiler vectorizes (`#pragma omp simd`: an output may be written over an input it reads through the identity map,
-  which a vector of lanes reads before it writes).
+  outer index left to one thread) around a loop over its innermost axis that the compiler vectorizes
+  (`#pragma omp simd`: an output may be written over an input it reads through the identity map, which a
+  vector of lanes reads before it writes).
 - `reduction`: the kept indices in blocks (one block an OpenMP iteration). When the reduced axes are
   innermost a block is one kept index (a row) and its reduced indices go to `LANES` lanes in row-major order,
   combined in a fixed tree (`lane_loops`): vectorized, in an order set by the sizes alone. Otherwise (a
   column sum) the rows are cut into fixed runs (`row_runs`), each walked in order into its own partial row
   by one thread, its inner loop over contiguous columns, and the partial rows are added in order: each
   result is the same f32 sum (64-bit for integers) for any thread count, and the threads read disjoint
-  rows (given runs of columns each, they read every row's cache lines and ran no faster than one). A reduction to one value
-  of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel, each in `LANES` lanes, and
+  rows (given runs of columns each, they read every row's cache lines and ran no faster than one). A
+  reduction to one value of many elements adds fixed chunks of `SCALAR_CHUNK` elements in parallel, each in
+  `LANES` lanes, and
   then the chunk sums in order: the same result for any thread count, and a more accurate one than one
   long sum. Where a loop decomposes its index into several axes, a read or write row-major over them uses
   the index itself (`index_code`), so the compiler sees a contiguous access.
@@ -86,13 +88,6 @@ static inline uint16_t sx_f32_bf16(float f) {
 static inline float sx_round_bf16(float f) { return sx_bf16_f32(sx_f32_bf16(f)); }
 static inline float sx_fmax(float a, float b) { return (a > b || a != a) ? a : b; }
 static inline float sx_fmin(float a, float b) { return (a < b || a != a) ? a : b; }
-static inline long long sx_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
 static inline long long sx_imax(long long a, long long b) { return a > b ? a : b; }
 static inline long long sx_imin(long long a, long long b) { return a < b ? a : b; }
 
@@ -154,6 +149,11 @@ _BINARY = {"graph.add": "({0} + {1})", "graph.sub": "({0} - {1})", "graph.mul": 
            "graph.gt": "({0} > {1})", "graph.ge": "({0} >= {1})"}
 FLOAT_IDENTITY = {"sum": "0.0f", "max": "-INFINITY", "min": "INFINITY"}
 _INT_IDENTITY = {"sum": "0", "max": "(-0x7fffffffffffffffLL - 1)", "min": "0x7fffffffffffffffLL"}
+
+
+def reduction_identity(which: str, integral: bool) -> str:
+    """C of the value a `sum`, `max` or `min` reduction starts from."""
+    return (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which]
 
 
 class UnsupportedKernel(ValueError):
@@ -337,7 +337,7 @@ class Writer:
 
 def _lane_arrays(accumulators: Sequence[tuple[str, str, bool]]) -> list[tuple[str, str, str, str, bool]]:
     """The `lane_loops` arrays `lanes<j>` of a reduction's accumulators ((C type, sum/max/min, integral))."""
-    return [(f"lanes{j}", vt, (_INT_IDENTITY if integral else FLOAT_IDENTITY)[which], which, integral)
+    return [(f"lanes{j}", vt, reduction_identity(which, integral), which, integral)
             for j, (vt, which, integral) in enumerate(accumulators)]
 
 def _decompose(w: Writer, flat: str, axes: Sequence[int], domain: Sequence[int], prefix: str) -> None:
@@ -645,7 +645,6 @@ class FusedKernel:
         w.line(f"const long long k0 = kb * {block};")
         w.line(f"const long long k1 = k0 + {block} < {kept_count}LL ? k0 + {block} : {kept_count}LL;")
         for j, (vt, op, integral) in enumerate(accumulators):
-            identity = (_INT_IDENTITY if integral else FLOAT_IDENTITY)[op]
             if column_wise:
                 w.line(f"{vt}* acc{j} = part{j};")
                 w.open(f"for (long long run = 1; run < {runs}LL; ++run)")
@@ -655,7 +654,7 @@ class FusedKernel:
                 w.close()
             else:
                 w.line(f"{vt} acc{j}[1];")
-                w.line(f"for (long long b = 0; b < {block}; ++b) acc{j}[b] = {identity};")
+                w.line(f"for (long long b = 0; b < {block}; ++b) acc{j}[b] = {reduction_identity(op, integral)};")
         if chunked:
             self._chunked_sums(w, accumulators, reductions, prologue, reduced, reduced_count)
         elif not column_wise and reduced_count >= LANES:
@@ -701,7 +700,7 @@ class FusedKernel:
         for j, (vt, op, integral) in enumerate(accumulators):
             w.line(f"{vt}* acc{j} = part{j} + run * {kept_count}LL;")
             w.line(f"for (long long k = 0; k < {kept_count}LL; ++k) acc{j}[k] = "
-                   f"{(_INT_IDENTITY if integral else FLOAT_IDENTITY)[op]};")
+                   f"{reduction_identity(op, integral)};")
         self._walk_rows(w, f"run * {rows}LL", f"sx_imin((run + 1) * {rows}LL, {reduced_count}LL)", accumulators,
                         reductions, prologue, reduced, kept, full_outputs, after, True)
         w.close()

@@ -35,6 +35,21 @@ graph.func @columns {{kind = "eval"}} {{
 """
 
 
+@pytest.fixture
+def rendered_units(monkeypatch) -> list[str]:
+    """The C translation units the cpu-c executor renders while the test runs, as they are made."""
+    units: list[str] = []
+    real = cpu_c_executor.render_module
+
+    def spy(*args):
+        rendered = real(*args)
+        units.extend(rendered.units)
+        return rendered
+
+    monkeypatch.setattr(cpu_c_executor, "render_module", spy)
+    return units
+
+
 def run(name: str, threads: int, **inputs: np.ndarray) -> np.ndarray:
     module = parse_module(GRAPHS, "loops.sxir")
     func = next(op for op in module.body.ops if op.name == "graph.func" and op.attributes["sym_name"] == name)
@@ -51,27 +66,21 @@ def test_row_runs_are_powers_of_two_of_at_least_row_run_rows():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_flat_loop_is_cut_into_runs_and_computes_numpys_values(threads, monkeypatch):
-    codes: list[str] = []
-    real = cpu_c_executor.render_module
-    monkeypatch.setattr(cpu_c_executor, "render_module", lambda *a: codes.append(r := real(*a)) or r)
+def test_a_flat_loop_is_cut_into_runs_and_computes_numpys_values(threads, rendered_units):
     rng = np.random.default_rng(0)
     x, y = (rng.standard_normal(FLAT).astype(np.float32) for _ in range(2))
     got = run("flat", threads, x=x, y=y)
     assert np.array_equal(got, x * y + x)
     chunks = -(-FLAT // INNER_CHUNK)
-    assert any(f"oc < {chunks}LL" in unit for rendered in codes for unit in rendered.units)
+    assert any(f"oc < {chunks}LL" in unit for unit in rendered_units)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_column_sum_adds_its_row_runs_in_order(threads, monkeypatch):
-    codes: list[str] = []
-    real = cpu_c_executor.render_module
-    monkeypatch.setattr(cpu_c_executor, "render_module", lambda *a: codes.append(r := real(*a)) or r)
+def test_a_column_sum_adds_its_row_runs_in_order(threads, rendered_units):
     x = np.random.default_rng(1).standard_normal((ROWS, COLUMNS)).astype(np.float32)
     got = run("columns", threads, x=x)
     runs = row_runs(ROWS)
-    assert any(f"run < {runs}LL" in unit for rendered in codes for unit in rendered.units)
+    assert any(f"run < {runs}LL" in unit for unit in rendered_units)
     rows = -(-ROWS // runs)
     partials = []
     for start in range(0, ROWS, rows):
